@@ -1,0 +1,58 @@
+"""Question and corpus data: formats, the synthetic knowledge base, the LightningDataModule."""
+from lldslight.data.datamodule import (
+    SearchQADataModule,
+    ShardedEvalSampler,
+    SynthConfig,
+    TrainPosition,
+    TrainSampler,
+    collate_examples,
+)
+from lldslight.data.example import SEARCH_R1_TEMPLATE, QAExample, make_prompt
+from lldslight.data.formats import (
+    ANSWER_SPLIT,
+    DataFormatError,
+    format_passage,
+    iter_corpus,
+    load_2wiki,
+    load_examples,
+    load_hf_dataset,
+    load_hotpotqa_with_contexts,
+    load_musique,
+    question_from_prompt,
+    read_flashrag_jsonl,
+    read_searchr1_parquet,
+    read_title_text_corpus,
+    write_corpus_jsonl,
+    write_flashrag_jsonl,
+    write_searchr1_parquet,
+)
+from lldslight.data.synth import synthesize
+
+__all__ = [
+    "ANSWER_SPLIT",
+    "DataFormatError",
+    "QAExample",
+    "SEARCH_R1_TEMPLATE",
+    "SearchQADataModule",
+    "ShardedEvalSampler",
+    "SynthConfig",
+    "TrainPosition",
+    "TrainSampler",
+    "collate_examples",
+    "format_passage",
+    "iter_corpus",
+    "load_2wiki",
+    "load_examples",
+    "load_hf_dataset",
+    "load_hotpotqa_with_contexts",
+    "load_musique",
+    "make_prompt",
+    "question_from_prompt",
+    "read_flashrag_jsonl",
+    "read_searchr1_parquet",
+    "read_title_text_corpus",
+    "synthesize",
+    "write_corpus_jsonl",
+    "write_flashrag_jsonl",
+    "write_searchr1_parquet",
+]

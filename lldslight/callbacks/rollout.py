@@ -1,0 +1,127 @@
+"""SearchRollout: samples search-augmented trajectories before every training and eval step."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from tqdm.auto import tqdm
+
+from lldslight.evaluation import gather_records, summarise, trajectory_records
+from lldslight.retrieval.base import Retriever
+from lldslight.rewards import ExactMatchReward, RewardFn
+from lldslight.rollout import RolloutConfig, RolloutEngine
+
+
+class SearchRollout(pl.Callback):
+    """Runs the Search-R1 protocol with the current policy and hands the module a Trajectory.
+
+    Training batches get ``rollout.group_size`` sampled rollouts per prompt; validation and test
+    batches get one greedy rollout per prompt with ``eval_max_turns`` search rounds (4 in the paper).
+
+    Args:
+        retriever: the search engine (BM25, dense, HTTP, or your own ``search(queries, k)``).
+        reward: scores a response against the gold answers; None = exact match (PAPER.md §1). Give
+            the ``class_path`` of your own callable class to plug in another.
+        rollout: sampling settings for training.
+        eval_max_turns: search rounds in evaluation.
+        eval_max_new_tokens: per-turn budget in evaluation (None = the training one).
+        eval_before_fit: evaluate the val split greedily before the first step (the "before" EM).
+        eval_after_fit: evaluate the val split again when training ends (the "after" EM).
+    """
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        reward: Optional[RewardFn] = None,
+        rollout: RolloutConfig = RolloutConfig(),
+        eval_max_turns: int = 4,
+        eval_max_new_tokens: Optional[int] = None,
+        eval_before_fit: bool = False,
+        eval_after_fit: bool = False,
+    ) -> None:
+        self.retriever = retriever
+        self.reward = reward if reward is not None else ExactMatchReward()
+        self.config = rollout
+        self.eval_config = dataclasses.replace(
+            rollout,
+            group_size=1,
+            greedy=True,
+            max_turns=eval_max_turns,
+            max_new_tokens=eval_max_new_tokens or rollout.max_new_tokens,
+        )
+        self.eval_before_fit = eval_before_fit
+        self.eval_after_fit = eval_after_fit
+        self._train_engine: Optional[RolloutEngine] = None
+        self._eval_engine: Optional[RolloutEngine] = None
+
+    def _engines(self, pl_module) -> tuple[RolloutEngine, RolloutEngine]:
+        if self._train_engine is None:
+            self._train_engine = RolloutEngine(pl_module.tokenizer, self.retriever, self.reward, self.config)
+            self._eval_engine = RolloutEngine(pl_module.tokenizer, self.retriever, self.reward, self.eval_config)
+        return self._train_engine, self._eval_engine
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        hp = getattr(pl_module, "hparams", {})
+        temp = hp.get("logprob_temperature", 1.0) if hasattr(hp, "get") else 1.0
+        if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
+            pl.utilities.rank_zero_warn(
+                f"rollout.temperature={self.config.temperature} but model.logprob_temperature={temp}: "
+                "the first update is then not on-policy (ratio != 1); set them equal"
+            )
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        engine, _ = self._engines(pl_module)
+        t0 = time.perf_counter()
+        traj = engine.generate(pl_module.policy, batch)
+        pl_module.timings["rollout_s"] = time.perf_counter() - t0
+        pl_module.timings["retrieval_s"] = engine.stats.get("retrieval_s", 0.0)
+        pl_module.rollout_batch = traj
+
+    def _eval_batch(self, pl_module, batch: Any) -> None:
+        _, engine = self._engines(pl_module)
+        pl_module.eval_batch = engine.generate(pl_module.policy, batch)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_batch(pl_module, batch)
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._eval_batch(pl_module, batch)
+
+    # -- before/after evaluation outside Lightning's loops (fit has no "validate first" mode) -----
+
+    def evaluate(self, trainer: pl.Trainer, pl_module) -> Optional[dict]:
+        datamodule = trainer.datamodule
+        if datamodule is None:
+            return None
+        loader = datamodule.val_dataloader()
+        _, engine = self._engines(pl_module)
+        records = []
+        bar = tqdm(loader, desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
+        for batch in bar:
+            traj = engine.generate(pl_module.policy, batch)
+            records.extend(trajectory_records(traj))
+            bar.set_postfix(em=f"{sum(r['em'] for r in records) / len(records):.3f}")
+        return summarise(gather_records(records))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.eval_before_fit:
+            self._record(trainer, pl_module, "before")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.eval_after_fit:
+            self._record(trainer, pl_module, "after")
+
+    def _record(self, trainer, pl_module, when: str) -> None:
+        summary = self.evaluate(trainer, pl_module)
+        if summary is None:
+            return
+        history = getattr(pl_module, "eval_history", {})
+        history[when] = summary
+        pl_module.eval_history = history
+        for logger in trainer.loggers:
+            logger.log_metrics({f"val_{when}/em": summary["overall"]["em"], f"val_{when}/searches": summary["overall"]["searches"]}, step=trainer.global_step)
+        if trainer.is_global_zero:
+            o = summary["overall"]
+            print(f"[lldslight] dev {when} training: EM {o['em']:.3f}  F1 {o['f1']:.3f}  searches/q {o['searches']:.2f}  answered {o['answered']:.2f}  (n={o['n']})")

@@ -1,0 +1,80 @@
+"""RunSummary: what a run did, in one block at the end and in summary.json beside the metrics."""
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+class RunSummary(pl.Callback):
+    """Prints dev EM before/after, searches per question, step-time split, peak RSS and wall time.
+
+    Args:
+        path: where to write the JSON (default: the logger's directory / summary.json).
+    """
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        self.path = path
+        self._start = 0.0
+        self._steps: list[dict[str, float]] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._steps.append(dict(getattr(pl_module, "last_step_metrics", {})))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        history = getattr(pl_module, "eval_history", {})
+
+        def median(key: str) -> float:
+            values = [s[key] for s in self._steps if key in s]
+            return statistics.median(values) if values else float("nan")
+
+        summary = {
+            "wall_time_s": time.perf_counter() - self._start,
+            "steps": len(self._steps),
+            "median_step_s": {k: median(f"time/{k}") for k in ("rollout_s", "retrieval_s", "logprob_s", "update_s")},
+            "peak_rss_mb": peak_rss_mb(),
+            "dev_before": history.get("before", {}).get("overall"),
+            "dev_after": history.get("after", {}).get("overall"),
+            "dev_after_per_source": history.get("after", {}).get("per_source"),
+            "train_reward_first_last": [
+                self._steps[0].get("train/reward") if self._steps else None,
+                self._steps[-1].get("train/reward") if self._steps else None,
+            ],
+        }
+        out = Path(self.path) if self.path else Path(trainer.log_dir or ".") / "summary.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2))
+        lines = ["", "=" * 72, "lldslight run summary", "=" * 72]
+        for when in ("before", "after"):
+            o = summary[f"dev_{when}"]
+            if o:
+                lines.append(f"dev EM {when:6s} training: {o['em']:.3f}   F1 {o['f1']:.3f}   searches/question {o['searches']:.2f}   answered {o['answered']:.2f}   (n={o['n']})")
+        t = summary["median_step_s"]
+        lines.append(
+            f"steps: {summary['steps']}   median step: rollout {t['rollout_s']:.1f}s (retrieval {t['retrieval_s']:.2f}s)"
+            f" + log-probs {t['logprob_s']:.1f}s + updates {t['update_s']:.1f}s"
+        )
+        lines.append(f"peak RSS: {summary['peak_rss_mb']:.0f} MiB   wall time: {summary['wall_time_s']:.0f}s")
+        lines.append(f"metrics and summary.json: {out.parent}")
+        ckpt = trainer.checkpoint_callback
+        if ckpt is not None and getattr(ckpt, "last_model_path", ""):
+            lines.append(f"checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
+        lines.append("=" * 72)
+        print("\n".join(lines), flush=True)

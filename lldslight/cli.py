@@ -1,0 +1,78 @@
+"""The ``lldslight`` command: LightningCLI's fit / validate / test, plus data, index, serve, plot
+and export. Training runs are configured by YAML (``--config``, repeatable, later files win);
+``lldslight fit --print_config`` shows every knob with its default."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+# name -> "module:function"; each takes argv (list[str]) and returns an exit code.
+TOOLS = {
+    "data": ("lldslight.data.cli:main", "synthesise or inspect data: lldslight data synth --out DIR"),
+    "index": ("lldslight.retrieval.cli:index_main", "build a BM25 or dense index over a corpus jsonl"),
+    "serve": ("lldslight.retrieval.cli:serve_main", "serve an index over Search-R1's HTTP API"),
+    "plot": ("lldslight.plots:main", "plot the LLD diagnostics of one or more runs"),
+    "export": ("lldslight.export:main", "merge the adapter of a checkpoint into a HF model directory"),
+}
+
+
+def _cli_class():
+    from lightning.pytorch.cli import LightningCLI
+
+    from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.module import GRPOModule
+
+    return LightningCLI, GRPOModule, SearchQADataModule
+
+
+TRAINER_DEFAULTS = {
+    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "lldslight"}},
+    # The data module shards prompts per rank itself (groups never straddle ranks, eval keeps every example once).
+    "use_distributed_sampler": False,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,
+}
+
+
+def _quiet_known_warnings() -> None:
+    import warnings
+
+    # Manual optimisation checkpoints after the step by design; Lightning's advice does not apply.
+    warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        target, _ = TOOLS[argv[0]]
+        module_name, fn_name = target.split(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except ModuleNotFoundError as err:
+            print(f"lldslight {argv[0]}: not available in this installation ({err})", file=sys.stderr)
+            return 2
+        return int(fn(argv[1:]) or 0)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: lldslight {fit,validate,test} --config FILE.yaml [...]\n       lldslight {" + ",".join(TOOLS) + "} ...\n")
+        print("  fit / validate / test   train or evaluate (LightningCLI; --help for every option)")
+        for name, (_, text) in TOOLS.items():
+            print(f"  {name:23s} {text}")
+        return 0 if argv else 2
+    _quiet_known_warnings()
+    cli_class, module_cls, datamodule_cls = _cli_class()
+    cli_class(
+        module_cls,
+        datamodule_cls,
+        args=argv,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

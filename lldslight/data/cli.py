@@ -1,0 +1,72 @@
+"""`lldslight data ...`: generate the synthetic knowledge base, inspect a data file."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from itertools import islice
+from pathlib import Path
+from typing import Optional
+
+from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
+from lldslight.data.synth import synthesize
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lldslight data", description="Data tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("synth", help="generate the synthetic knowledge base (idempotent)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--entities", type=int, default=200)
+    s.add_argument("--dev", type=int, default=64, help="dev questions")
+    s.add_argument("--test", type=int, default=64, help="test questions")
+    i = sub.add_parser("inspect", help="counts per data_source and 3 examples of a question or corpus file")
+    i.add_argument("file", help=".parquet, .jsonl, .json, or a saved HF dataset directory")
+    i.add_argument("--split", default=None, help="split of a saved HF DatasetDict")
+    return p
+
+
+def _inspect(path: str, split: Optional[str]) -> int:
+    try:
+        examples = load_examples(path, split=split)
+    except DataFormatError as e:
+        if "is a corpus" not in str(e):
+            raise
+        n = 0
+        head = []
+        for row in iter_corpus(path):
+            if n < 3:
+                head.append(row)
+            n += 1
+        print(f"{path}: corpus, {n} passages")
+        for row in head:
+            print(json.dumps(row, ensure_ascii=False)[:300])
+        return 0
+    counts = Counter(ex.data_source for ex in examples)
+    print(f"{path}: {len(examples)} questions")
+    for source, n in sorted(counts.items()):
+        print(f"  {source}: {n}")
+    for ex in islice(examples, 3):
+        print(json.dumps({"id": ex.id, "data_source": ex.data_source, "split": ex.split,
+                          "question": ex.question, "golden_answers": ex.golden_answers}, ensure_ascii=False))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "synth":
+            paths = synthesize(args.out, seed=args.seed, entities=args.entities, dev=args.dev, test=args.test)
+            manifest = json.loads(Path(paths["manifest"]).read_text())
+            print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}, indent=2))
+            return 0
+        return _inspect(args.file, args.split)
+    except (DataFormatError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""Evaluation records and their summary: EM, F1, searches, invalid actions, answered rate, per
+data_source and averaged (the paper averages its seven benchmarks with equal weight)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lldslight.trajectory import Trajectory
+
+METRICS = ("em", "f1", "searches", "invalid_rate", "answered")
+
+
+def trajectory_records(traj: Trajectory) -> list[dict[str, Any]]:
+    """One plain record per rollout (cheap to gather across ranks, easy to write as JSON)."""
+    records = []
+    for i in range(len(traj)):
+        actions = max(int(traj.num_actions[i]), 1)
+        records.append(
+            {
+                "data_source": traj.data_source[i],
+                "question": traj.questions[i] if traj.questions else "",
+                "golden_answers": traj.golden_answers[i] if traj.golden_answers else [],
+                "response": traj.responses[i],
+                "group_id": int(traj.group_id[i]),
+                "em": float(traj.em[i]) if traj.em is not None else 0.0,
+                "f1": float(traj.f1[i]) if traj.f1 is not None else 0.0,
+                "reward": float(traj.reward[i]),
+                "searches": int(traj.num_searches[i]),
+                "invalid_rate": int(traj.num_invalid[i]) / actions,
+                "answered": float(traj.finish_reason[i] == "answer"),
+            }
+        )
+    return records
+
+
+def gather_records(records: list[dict]) -> list[dict]:
+    """All ranks' records, in rank order; the identity without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return records
+    gathered: list[list[dict]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
+    torch.distributed.all_gather_object(gathered, records)
+    return [r for part in gathered for r in part]
+
+
+def summarise(records: list[dict]) -> dict[str, Any]:
+    """Per-source means, the mean over all examples ("overall") and the unweighted mean over
+    sources ("macro", how the paper averages benchmarks)."""
+    per_source: dict[str, dict[str, float]] = {}
+    for source in sorted({r["data_source"] for r in records}):
+        rows = [r for r in records if r["data_source"] == source]
+        per_source[source] = {m: sum(r[m] for r in rows) / len(rows) for m in METRICS}
+        per_source[source]["n"] = len(rows)
+    overall = {m: (sum(r[m] for r in records) / len(records) if records else 0.0) for m in METRICS}
+    overall["n"] = len(records)
+    macro = {m: (sum(v[m] for v in per_source.values()) / len(per_source) if per_source else 0.0) for m in METRICS}
+    return {"overall": overall, "macro": macro, "per_source": per_source}
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    head = "| data_source | n | EM | F1 | searches/q | invalid-action rate | answered |\n|---|---|---|---|---|---|---|\n"
+    lines = []
+    for name, v in list(summary["per_source"].items()) + [("**all (examples)**", summary["overall"]), ("**mean of sources**", summary["macro"])]:
+        n = v.get("n", "")
+        lines.append(
+            f"| {name} | {n} | {v['em']:.3f} | {v['f1']:.3f} | {v['searches']:.2f} | {v['invalid_rate']:.3f} | {v['answered']:.3f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def write_report(summary: dict[str, Any], records: list[dict], out_dir: str | Path, stem: str) -> tuple[Path, Path]:
+    """``stem``.json (summary and every record) and ``stem``.md (the table) under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+    md_path.write_text(markdown_table(summary))
+    return json_path, md_path

@@ -1,0 +1,65 @@
+"""Token log-probs (and entropy) of a causal LM, computed in chunks from hidden states.
+
+The decoder runs once over the batch; the vocabulary projection runs only on the positions that
+carry loss, a chunk at a time, and under activation checkpointing when gradients are needed. So a
+full [B, T, V] logits tensor never exists: at V = 49k (SmolLM2) or 152k (Qwen2.5) it would be the
+largest tensor of the step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lldslight.policy import decoder_and_head
+
+
+def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    mask: Tensor,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """log pi(input_ids[b, t] | input_ids[b, :t]) and the entropy at t, where ``mask[b, t]``.
+
+    Returns two float32 [B, T] tensors, zero where ``mask`` is off (including t = 0).
+    """
+    decoder, head = decoder_and_head(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    mask = mask.bool().clone()
+    mask[:, 0] = False  # the first token has no context to be predicted from
+    rows, cols = mask.nonzero(as_tuple=True)
+    selected = hidden[rows, cols - 1]
+    targets = input_ids[rows, cols]
+    logp_parts, entropy_parts = [], []
+    need_grad = torch.is_grad_enabled() and selected.requires_grad
+    for start in range(0, selected.shape[0], chunk_size):
+        h, y = selected[start : start + chunk_size], targets[start : start + chunk_size]
+        if need_grad:
+            lp, ent = checkpoint(_chunk_stats, head, h, y, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy)
+        logp_parts.append(lp)
+        entropy_parts.append(ent)
+    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros_like(logp)
+    if logp_parts:
+        logp = logp.index_put((rows, cols), torch.cat(logp_parts))
+        entropy = entropy.index_put((rows, cols), torch.cat(entropy_parts))
+    return logp, entropy

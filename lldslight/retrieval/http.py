@@ -1,0 +1,164 @@
+"""Client for any Search-R1-compatible retrieval server (ours, Search-R1's, FlashRAG's)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Literal
+
+from .base import Passage, RetrievalError
+
+UNAVAILABLE = Passage(id="unavailable", contents='"Search unavailable"\nThe search engine is unavailable right now.',
+                      score=0.0)
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class _Unavailable(Exception):
+    """The server could not be reached or kept failing; carries the last error."""
+
+
+class HttpRetriever:
+    """Search through ``POST {url}`` in the Search-R1 format.
+
+    Args:
+        url: the server's /retrieve endpoint.
+        timeout: seconds for one HTTP request (connect + read).
+        retries: extra attempts after a connection error, a timeout or a 429/5xx answer.
+        backoff: first wait between attempts in seconds; doubles each retry (capped at 10 s).
+        batch_size: queries per request; larger batches are split (servers cap request size).
+        on_unavailable: when the server stays down after the retries, "fail" raises
+            RetrievalError (URL and last error); "observe" answers every query of the failed
+            request with one "Search unavailable" passage and counts it in ``unavailable_count``,
+            so a long training run survives a retrieval-server restart.
+
+    Malformed answers (no "result", wrong number of lists, items without "contents") and 4xx
+    answers always raise: they are bugs to fix, not outages to ride out.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000/retrieve",
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        batch_size: int = 256,
+        on_unavailable: Literal["fail", "observe"] = "fail",
+    ):
+        if on_unavailable not in ("fail", "observe"):
+            raise ValueError(f"on_unavailable must be 'fail' or 'observe', got {on_unavailable!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.url = url
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.batch_size = int(batch_size)
+        self.on_unavailable = on_unavailable
+        self.unavailable_count = 0  # queries answered with the UNAVAILABLE passage
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            with self._lock:
+                if self._client is None:
+                    self._client = httpx.Client(timeout=self.timeout)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        if isinstance(queries, str):
+            raise TypeError("search takes a list of queries, not a single string")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        out: list[list[Passage]] = []
+        for s in range(0, len(queries), self.batch_size):
+            chunk = list(queries[s : s + self.batch_size])
+            try:
+                out.extend(self._request(chunk, k))
+            except _Unavailable as e:
+                if self.on_unavailable == "fail":
+                    raise RetrievalError(f"retrieval server {self.url} unavailable after {self.retries + 1} attempts: {e}") from None
+                with self._lock:
+                    self.unavailable_count += len(chunk)
+                out.extend([UNAVAILABLE] for _ in chunk)
+        return out
+
+    def _request(self, queries: list[str], k: int) -> list[list[Passage]]:
+        import httpx
+
+        payload = {"queries": queries, "topk": k, "return_scores": True}
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 10.0))
+            try:
+                resp = self._http().post(self.url, json=payload)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code in _RETRY_STATUS:
+                last = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                continue
+            if resp.status_code != 200:
+                raise RetrievalError(f"retrieval server {self.url} refused the request: HTTP {resp.status_code}: {resp.text[:500]}")
+            return parse_response(resp, len(queries), k, self.url)
+        raise _Unavailable(last)
+
+    def __getstate__(self) -> dict:
+        # Picklable for multiprocess data loading / DDP spawn: clients are per process.
+        state = self.__dict__.copy()
+        state["_client"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"HttpRetriever(url={self.url!r}, on_unavailable={self.on_unavailable!r})"
+
+
+def parse_response(resp: Any, n_queries: int, k: int, url: str) -> list[list[Passage]]:
+    """Validate a Search-R1 /retrieve answer and convert it to passages."""
+    try:
+        body = resp.json()
+    except ValueError:
+        raise RetrievalError(f"retrieval server {url} answered with non-JSON: {resp.text[:200]!r}") from None
+    if not isinstance(body, dict) or "result" not in body:
+        keys = list(body)[:10] if isinstance(body, dict) else type(body).__name__
+        raise RetrievalError(f"retrieval server {url}: response has no 'result' field (got {keys})")
+    result = body["result"]
+    if not isinstance(result, list) or len(result) != n_queries:
+        got = f"{len(result)} lists" if isinstance(result, list) else type(result).__name__
+        raise RetrievalError(f"retrieval server {url}: 'result' should hold {n_queries} lists (one per query), got {got}")
+    out: list[list[Passage]] = []
+    for qi, items in enumerate(result):
+        if not isinstance(items, list):
+            raise RetrievalError(f"retrieval server {url}: result[{qi}] should be a list, got {type(items).__name__}")
+        out.append([_passage(item, f"result[{qi}][{j}]", url) for j, item in enumerate(items[:k])])
+    return out
+
+
+def _passage(item: Any, where: str, url: str) -> Passage:
+    if not isinstance(item, dict):
+        raise RetrievalError(f"retrieval server {url}: {where} should be an object, got {type(item).__name__}")
+    score: Any = 0.0
+    doc = item
+    if "document" in item:  # return_scores=true shape
+        doc, score = item["document"], item.get("score", 0.0)
+        where += ".document"
+        if not isinstance(doc, dict):
+            raise RetrievalError(f"retrieval server {url}: {where} should be an object, got {type(doc).__name__}")
+    contents = doc.get("contents")
+    if not isinstance(contents, str):
+        what = "has no 'contents'" if contents is None else f"has a non-string 'contents' ({type(contents).__name__})"
+        raise RetrievalError(f"retrieval server {url}: {where} {what}")
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise RetrievalError(f"retrieval server {url}: {where} score should be a number, got {type(score).__name__}")
+    return Passage(id=str(doc.get("id", "")), contents=contents, score=float(score))

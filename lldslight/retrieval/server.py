@@ -1,0 +1,393 @@
+"""A retrieval server byte-compatible with Search-R1's ``retrieval_server.py``.
+
+``POST /retrieve {"queries": [...], "topk": k, "return_scores": true}`` ->
+``{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}``; without
+``return_scores`` the inner items are the documents themselves. ``{"query": "...", "topk": k}``
+is answered in the same shape with one list. ``GET /health`` says the server is up.
+
+Concurrent requests are merged by a micro-batcher into one ``retriever.search`` call run in a
+worker thread: one encoder forward pass for many rollout workers instead of one each. A lone
+request is dispatched at once (no fixed wait), so batching costs nothing at low load.
+"""
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations at
+# definition time, and ``Request`` is imported inside ``create_app`` to keep imports lazy.
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from .base import Passage, RetrievalError, Retriever
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Request limits; anything past them is refused with a 4xx and a message."""
+
+    max_queries: int = 512  # queries in one request (413 beyond)
+    max_topk: int = 100  # largest topk (422 beyond)
+    max_body_bytes: int = 4 << 20  # request body size (413 beyond)
+    default_topk: int = 3  # topk when the request has none (Search-R1's retrieval_topk)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_request(payload: Any, limits: ServerLimits) -> tuple[list[str], int, bool]:
+    """Validate a decoded /retrieve body -> (queries, topk, return_scores)."""
+    if not isinstance(payload, dict):
+        raise BadRequest(422, f"body must be a JSON object, got {type(payload).__name__}")
+    has_many, has_one = payload.get("queries") is not None, payload.get("query") is not None
+    if has_many and has_one:
+        raise BadRequest(422, "give either 'queries' (a list) or 'query' (a string), not both")
+    if has_one:
+        q = payload["query"]
+        if not isinstance(q, str):
+            raise BadRequest(422, f"field 'query' must be a string, got {type(q).__name__}")
+        queries = [q]
+    elif has_many:
+        queries = payload["queries"]
+        if not isinstance(queries, list):
+            raise BadRequest(422, f"field 'queries' must be a list of strings, got {type(queries).__name__}")
+        if len(queries) > limits.max_queries:
+            raise BadRequest(413, f"too many queries: {len(queries)} > max_queries={limits.max_queries}; split the batch")
+        for i, q in enumerate(queries):
+            if not isinstance(q, str):
+                raise BadRequest(422, f"field 'queries[{i}]' must be a string, got {type(q).__name__}")
+    else:
+        raise BadRequest(422, "missing field 'queries' (a list of strings) or 'query' (a string)")
+    topk = payload.get("topk")
+    if topk is None:
+        topk = limits.default_topk
+    elif isinstance(topk, float) and topk.is_integer():
+        topk = int(topk)
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise BadRequest(422, f"field 'topk' must be an integer, got {type(payload.get('topk')).__name__}")
+    if not 1 <= topk <= limits.max_topk:
+        raise BadRequest(422, f"field 'topk' must be between 1 and max_topk={limits.max_topk}, got {topk}")
+    rs = payload.get("return_scores")
+    if rs is None:
+        rs = False
+    if not isinstance(rs, bool):
+        raise BadRequest(422, f"field 'return_scores' must be a boolean, got {type(rs).__name__}")
+    return queries, topk, rs
+
+
+def render_result(results: list[list[Passage]], return_scores: bool) -> bytes:
+    docs = [[{"id": p.id, "contents": p.contents} for p in ps] for ps in results]
+    if return_scores:
+        body: Any = {"result": [[{"document": d, "score": p.score} for d, p in zip(ds, ps)]
+                                for ds, ps in zip(docs, results)]}
+    else:
+        body = {"result": docs}
+    # Starlette's JSONResponse encoding, i.e. what Search-R1's FastAPI server sends.
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+class MicroBatcher:
+    """Merge concurrent searches into one ``retriever.search`` call on a single worker thread.
+
+    After the first waiting request, the batch takes whatever else is queued and keeps yielding
+    to the event loop while other requests are still being read (``arriving``), up to
+    ``max_wait_ms``; a lone request therefore goes out immediately. Requests that arrive while a
+    search runs form the next batch.
+    """
+
+    def __init__(self, retriever: Retriever, max_batch: int = 256, max_wait_ms: float = 5.0):
+        self.retriever = retriever
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.arriving = 0  # requests whose body is being read or validated
+        self.batches = 0
+        self.batched_queries = 0
+        self._queue: Optional[asyncio.Queue] = None
+        self._task: Optional[asyncio.Task] = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval-search")
+
+    async def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        assert self._queue is not None, "MicroBatcher.start() was not awaited"
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((queries, k, fut))
+        return await fut
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        q, loop = self._queue, asyncio.get_running_loop()
+        while True:
+            batch = [await q.get()]
+            n = len(batch[0][0])
+            deadline = loop.time() + self.max_wait
+            while n < self.max_batch:
+                if not q.empty():
+                    item = q.get_nowait()
+                    batch.append(item)
+                    n += len(item[0])
+                elif self.arriving > 0 and loop.time() < deadline:
+                    await asyncio.sleep(0)
+                else:
+                    break
+            batch = [item for item in batch if not item[2].done()]  # client went away
+            if not batch:
+                continue
+            queries = [s for item in batch for s in item[0]]
+            kmax = max(item[1] for item in batch)
+            self.batches += 1
+            self.batched_queries += len(queries)
+            try:
+                results = await loop.run_in_executor(self._executor, self.retriever.search, queries, kmax)
+                if len(results) != len(queries):
+                    raise RetrievalError(f"retriever returned {len(results)} lists for {len(queries)} queries")
+            except Exception as e:  # one failed search fails its batch, not the server
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            pos = 0
+            for qs, k, fut in batch:
+                if not fut.done():
+                    fut.set_result([r[:k] for r in results[pos : pos + len(qs)]])
+                pos += len(qs)
+
+
+def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_batch: int = 256,
+               max_wait_ms: float = 5.0) -> Any:
+    """The FastAPI app. The retriever should already be loaded (``serve`` and ``start_server`` do)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    batcher = MicroBatcher(retriever, max_batch=max_batch, max_wait_ms=max_wait_ms)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.stop()
+
+    app = FastAPI(title="lldslight retrieval (Search-R1 compatible)", lifespan=lifespan)
+    app.state.batcher = batcher
+    app.state.limits = limits
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"detail": message}, status_code=status)
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Response:
+        batcher.arriving += 1
+        try:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+                return error(413, f"request body of {declared} bytes exceeds max_body_bytes={limits.max_body_bytes}")
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limits.max_body_bytes:
+                    return error(413, f"request body exceeds max_body_bytes={limits.max_body_bytes}")
+            try:
+                payload = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                return error(400, f"malformed JSON body: {e}")
+            try:
+                queries, topk, return_scores = parse_request(payload, limits)
+            except BadRequest as e:
+                return error(e.status, e.message)
+        finally:
+            batcher.arriving -= 1
+        if not queries:
+            return Response(render_result([], return_scores), media_type="application/json")
+        try:
+            results = await batcher.search(queries, topk)
+        except Exception as e:
+            return error(500, f"search failed: {type(e).__name__}: {e}")
+        return Response(render_result(results, return_scores), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        info: dict[str, Any] = {"status": "ok", "retriever": type(retriever).__name__,
+                                "batches": batcher.batches, "queries": batcher.batched_queries}
+        if getattr(retriever, "loaded", False):
+            info["passages"] = len(retriever)  # type: ignore[arg-type]
+        return info
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind and listen before uvicorn starts: port 0 gets a free port we can report, and clients
+    that connect early wait in the backlog instead of being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto
+    # says TCP, and without it every keep-alive response waits ~40 ms on Nagle + delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RetrievalError(f"cannot bind {host}:{port}: {e}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/retrieve"
+
+
+def _uvicorn_server(app: Any, log_level: str) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+    return uvicorn.Server(config)
+
+
+def serve(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 8000, limits: ServerLimits = ServerLimits(),
+          max_batch: int = 256, max_wait_ms: float = 5.0, log_level: str = "warning",
+          on_ready: Optional[Callable[[str], None]] = None) -> None:
+    """Load the retriever, bind, and serve until interrupted (blocking)."""
+    load = getattr(retriever, "load", None)
+    if callable(load):
+        load()
+    sock = _bind(host, port)
+    if on_ready is not None:
+        on_ready(_url(sock, host))
+    server = _uvicorn_server(create_app(retriever, limits, max_batch, max_wait_ms), log_level)
+    server.run(sockets=[sock])
+
+
+class ServerHandle:
+    """A server running on a background thread of this process (tests, notebooks)."""
+
+    def __init__(self, server: Any, thread: threading.Thread, sock: socket.socket, url: str, app: Any):
+        self._server, self._thread, self._sock = server, thread, sock
+        self.url = url
+        self.base_url = url.rsplit("/", 1)[0]
+        self.port = int(sock.getsockname()[1])
+        self.app = app
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits = ServerLimits(),
+                 max_batch: int = 256, max_wait_ms: float = 5.0, log_level: str = "warning",
+                 timeout: float = 60.0) -> ServerHandle:
+    """Serve ``retriever`` on a daemon thread; ``port=0`` picks a free port. Returns once it
+    accepts requests: ``handle.url`` is the /retrieve URL, ``handle.stop()`` shuts it down."""
+    load = getattr(retriever, "load", None)
+    if callable(load):
+        load()
+    sock = _bind(host, port)
+    app = create_app(retriever, limits, max_batch, max_wait_ms)
+    server = _uvicorn_server(app, log_level)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="retrieval-server")
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive():
+            sock.close()
+            raise RetrievalError(f"retrieval server on {host}:{port} failed to start")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RetrievalError(f"retrieval server did not start within {timeout:.0f}s")
+        time.sleep(0.01)
+    return ServerHandle(server, thread, sock, _url(sock, host), app)
+
+
+class ServerProcess:
+    """A server in a child process (``python -m lldslight.retrieval.cli serve ...``), so that
+    benchmarks measure it without sharing the client's interpreter lock."""
+
+    READY = "lldslight serve: listening on "
+
+    def __init__(self, proc: subprocess.Popen, url: str, log: list[str]):
+        self.proc = proc
+        self.url = url
+        self.base_url = url.rsplit("/", 1)[0]
+        self.log = log
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server_process(serve_args: Sequence[str], host: str = DEFAULT_HOST, port: int = 0,
+                         timeout: float = 300.0, env: Optional[dict[str, str]] = None) -> ServerProcess:
+    """Start ``lldslight serve <serve_args> --host H --port P`` in a child process and wait until
+    it listens (index loading included, hence the generous timeout)."""
+    cmd = [sys.executable, "-m", "lldslight.retrieval.cli", "serve", *serve_args, "--host", host, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env={**os.environ, **(env or {})})
+    log: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:  # drain the pipe for the child's whole life, or it blocks on a full pipe
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line.rstrip("\n"))
+            del log[:-200]
+            if not url and line.startswith(ServerProcess.READY):
+                url.append(line[len(ServerProcess.READY):].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True, name="retrieval-server-log").start()
+    if not ready.wait(timeout) or not url:
+        proc.kill()
+        proc.wait()
+        tail = "\n".join(log[-20:])
+        raise RetrievalError(f"server process did not start ({' '.join(cmd)}):\n{tail}")
+    return ServerProcess(proc, url[0], log)

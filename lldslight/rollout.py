@@ -1,0 +1,414 @@
+"""Multi-turn, search-augmented generation: the Search-R1 protocol (PAPER.md §1), token-in/token-out.
+
+Each turn every live rollout decodes until ``</search>``, ``</answer>``, EOS or its token budget;
+then one retrieval call serves every rollout that searched, and the observation tokens are appended.
+The sampled ids are kept exactly as sampled (decoding and re-encoding the model's own text can
+change its tokens and so its log-probs); only observations are tokenised.
+
+Speed on one CPU or GPU comes from three choices (issue 6 measures them):
+- a group's prompt is prefilled once and its KV cache shared by its G rollouts;
+- the KV cache is carried across turns: observations are appended to it, nothing is re-encoded;
+- rollouts that have answered leave the batch (their cache rows are dropped) between turns.
+Rows of different lengths share one cache with holes: the attention mask is 0 on the slots a row
+did not use, and position ids count only the row's real tokens, so each row sees exactly the
+context it would see alone.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lldslight.data.example import QAExample
+from lldslight.policy import decoder_and_head
+from lldslight.retrieval.base import Passage, Retriever
+from lldslight.rewards import exact_match, extract_answer, f1_score
+from lldslight.trajectory import Trajectory
+
+STOP_TAGS = ("</search>", "</answer>")
+_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+INVALID_ACTION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are sampled.
+
+    Args:
+        group_size: G, rollouts per prompt (1 for evaluation).
+        max_turns: search rounds before the final, search-free generation.
+        max_new_tokens: new tokens per turn.
+        max_obs_tokens: an observation is cut to this many tokens.
+        max_response_tokens: budget for the whole response (model and observation tokens).
+        topk: passages per search.
+        temperature: sampling temperature (also used for the training log-probs).
+        top_p: nucleus sampling threshold (1.0 = off).
+        top_k: top-k sampling (0 = off).
+        greedy: argmax decoding (evaluation).
+    """
+
+    group_size: int = 5
+    max_turns: int = 3
+    max_new_tokens: int = 500
+    max_obs_tokens: int = 500
+    max_response_tokens: int = 4096
+    topk: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+def format_observation(passages: list[Passage]) -> str:
+    """Search-R1's ``_passages2string`` wrapped in an information block (title line kept verbatim)."""
+    refs = ""
+    for i, p in enumerate(passages):
+        lines = p.contents.split("\n")
+        refs += f"Doc {i + 1}(Title: {lines[0]}) {chr(10).join(lines[1:])}\n"
+    return f"\n\n<information>{refs.strip()}</information>\n\n"
+
+
+def parse_action(text: str) -> tuple[Optional[str], str]:
+    """(kind, content) of the action in one turn's text, cut at the first stop tag as Search-R1 does.
+
+    kind is "search", "answer" or None (invalid).
+    """
+    cut = len(text)
+    for tag in STOP_TAGS:
+        pos = text.find(tag)
+        if pos != -1:
+            cut = min(cut, pos + len(tag))
+    match = _ACTION.search(text[:cut])
+    if match is None:
+        return None, ""
+    return match.group(1), match.group(2).strip()
+
+
+def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt as the policy sees it: the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class _Row:
+    example: QAExample
+    prompt: list[int]
+    segments: list[tuple[list[int], int]] = field(default_factory=list)  # (ids, action index or -1)
+    turn: list[int] = field(default_factory=list)
+    turn_logp: list[float] = field(default_factory=list)
+    sample_logp: list[float] = field(default_factory=list)
+    response_len: int = 0
+    actions: int = 0
+    searches: int = 0
+    invalid: int = 0
+    finish: str = ""
+    stopped: bool = False
+
+
+class RolloutEngine:
+    """Samples Search-R1 trajectories from a policy with a retriever.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
+        reward_fn: ``(response_text, golden_answers) -> float``.
+        config: sampling settings.
+    """
+
+    def __init__(self, tokenizer, retriever: Retriever, reward_fn: Callable[[str, list[str]], float], config: RolloutConfig):
+        self.tokenizer = tokenizer
+        self.retriever = retriever
+        self.reward_fn = reward_fn
+        self.config = config
+        self.eos_ids = _eos_ids(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.stats: dict[str, float] = {}
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, examples: list[QAExample], group_size: Optional[int] = None, greedy: Optional[bool] = None) -> Trajectory:
+        cfg = self.config
+        G = cfg.group_size if group_size is None else group_size
+        greedy = cfg.greedy if greedy is None else greedy
+        was_training = model.training
+        model.eval()
+        merged = _merge_adapter(model)
+        try:
+            rows = self._run(model, examples, G, greedy)
+        finally:
+            if merged:
+                model.unmerge_adapter()
+            model.train(was_training)
+        return self._to_trajectory(rows, next(model.parameters()).device)
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def _run(self, model: nn.Module, examples: list[QAExample], G: int, greedy: bool) -> list[_Row]:
+        cfg = self.config
+        decoder, head = decoder_and_head(model)
+        device = next(model.parameters()).device
+        from transformers import DynamicCache
+
+        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
+        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
+        rows = [_Row(example=ex, prompt=list(p)) for ex, p in zip(examples, prompts) for _ in range(G)]
+
+        # Prefill each distinct prompt once (left-padded), then share its cache with its G rollouts.
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, device=device)
+            attn[i, width - len(p):] = 1
+        cache = DynamicCache()
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_arg: cache}, use_cache=True)
+        logits = head(out.last_hidden_state[:, -1]).float()
+        if G > 1:
+            cache.batch_repeat_interleave(G)
+            attn = attn.repeat_interleave(G, dim=0)
+            logits = logits.repeat_interleave(G, dim=0)
+        next_pos = attn.sum(-1)
+        live = list(range(len(rows)))  # row index of each cache slot
+
+        self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0}
+        for turn in range(cfg.max_turns + 1):
+            final = turn == cfg.max_turns
+            for r in live:
+                rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
+            budget = [min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in live]
+            for slot, r in enumerate(live):
+                if budget[slot] <= 0:
+                    rows[r].stopped = True
+            step = 0
+            while not all(rows[r].stopped for r in live):
+                tokens, token_logp = self._sample(logits, greedy)
+                step_ids = torch.full((len(live), 1), self.pad_id, dtype=torch.long, device=device)
+                step_mask = torch.zeros((len(live), 1), dtype=attn.dtype, device=device)
+                for slot, r in enumerate(live):
+                    row = rows[r]
+                    if row.stopped:
+                        continue
+                    tok = int(tokens[slot])
+                    row.turn.append(tok)
+                    row.turn_logp.append(float(token_logp[slot]))
+                    if tok in self.eos_ids or len(row.turn) >= budget[slot] or self._hit_stop(row.turn):
+                        row.stopped = True  # its last token is fed later, with the observation
+                    else:
+                        step_ids[slot, 0] = tok
+                        step_mask[slot, 0] = 1
+                step += 1
+                if all(rows[r].stopped for r in live):
+                    break
+                attn = torch.cat([attn, step_mask], dim=1)
+                pos = next_pos.unsqueeze(-1).clone()
+                out = decoder(input_ids=step_ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
+                logits = head(out.last_hidden_state[:, -1]).float()
+                next_pos = next_pos + step_mask[:, 0].to(next_pos.dtype)
+                self.stats["decode_steps"] += 1
+
+            # Close the turn: record the action, decide what each rollout does next.
+            searches: list[tuple[int, str]] = []
+            pending: dict[int, list[int]] = {}
+            for r in live:
+                row = rows[r]
+                row.segments.append((row.turn, row.actions))
+                row.sample_logp.extend(row.turn_logp)
+                row.actions += 1
+                row.response_len += len(row.turn)
+                kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+                if kind == "answer":
+                    row.finish = "answer"
+                elif final:
+                    row.finish = "max_turns"
+                elif row.response_len >= cfg.max_response_tokens:
+                    row.finish = "length"
+                elif kind == "search" and content:
+                    searches.append((r, content))
+                else:
+                    row.invalid += 1
+                    pending[r] = self._observation_ids(INVALID_ACTION)
+            if searches:
+                t0 = time.perf_counter()
+                results = self.retriever.search([q for _, q in searches], cfg.topk)
+                self.stats["retrieval_s"] += time.perf_counter() - t0
+                self.stats["retrieval_calls"] += 1
+                if len(results) != len(searches):
+                    raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
+                for (r, _), passages in zip(searches, results):
+                    rows[r].searches += 1
+                    pending[r] = self._observation_ids(format_observation(passages))
+            for r, obs in pending.items():
+                room = cfg.max_response_tokens - rows[r].response_len
+                obs = obs[: max(room, 0)]
+                rows[r].segments.append((obs, -1))
+                rows[r].response_len += len(obs)
+                if rows[r].response_len >= cfg.max_response_tokens:
+                    rows[r].finish = "length"
+            keep = [slot for slot, r in enumerate(live) if not rows[r].finish]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                cache.batch_select_indices(torch.tensor(keep, device=device))
+                attn, next_pos = attn[keep], next_pos[keep]
+            live = [live[s] for s in keep]
+
+            # Feed each rollout's last sampled token plus its observation as one padded block.
+            blocks = [[rows[r].segments[-2][0][-1]] + rows[r].segments[-1][0] for r in live]
+            block_w = max(len(b) for b in blocks)
+            ids = torch.full((len(live), block_w), self.pad_id, dtype=torch.long, device=device)
+            block_mask = torch.zeros((len(live), block_w), dtype=attn.dtype, device=device)
+            for slot, b in enumerate(blocks):
+                ids[slot, : len(b)] = torch.tensor(b, device=device)
+                block_mask[slot, : len(b)] = 1
+            attn = torch.cat([attn, block_mask], dim=1)
+            pos = next_pos.unsqueeze(-1) + (block_mask.cumsum(-1) - 1).clamp(min=0)
+            out = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
+            lengths = block_mask.sum(-1).long()
+            last = out.last_hidden_state[torch.arange(len(live), device=device), lengths - 1]
+            logits = head(last).float()
+            next_pos = next_pos + lengths.to(next_pos.dtype)
+        for r in live:
+            if not rows[r].finish:
+                rows[r].finish = "max_turns"
+        return rows
+
+    def _sample(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        if greedy:
+            tokens = logits.argmax(-1)
+            return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+        scaled = logits / cfg.temperature
+        logp = torch.log_softmax(scaled, -1)
+        filtered = scaled
+        if cfg.top_k > 0:
+            kth = torch.topk(filtered, min(cfg.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if cfg.top_p < 1.0:
+            from transformers.generation.logits_process import TopPLogitsWarper
+
+            filtered = TopPLogitsWarper(top_p=cfg.top_p)(None, filtered)
+        tokens = torch.multinomial(torch.softmax(filtered, -1), 1)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    def _hit_stop(self, turn: list[int]) -> bool:
+        # A tag is at most 9 characters, so the last 12 tokens always hold a freshly completed one.
+        tail = self.tokenizer.decode(turn[-12:], skip_special_tokens=False)
+        return any(tag in tail for tag in STOP_TAGS)
+
+    def _observation_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[: self.config.max_obs_tokens]
+
+    # -- packing ----------------------------------------------------------------------------------
+
+    def _to_trajectory(self, rows: list[_Row], device: torch.device) -> Trajectory:
+        lengths = [len(r.prompt) + sum(len(s) for s, _ in r.segments) for r in rows]
+        B, T = len(rows), max(lengths)
+        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, T), dtype=torch.long)
+        loss_mask = torch.zeros((B, T), dtype=torch.bool)
+        action_id = torch.full((B, T), -1, dtype=torch.long)
+        answer_mask = torch.zeros((B, T), dtype=torch.bool)
+        sample_logp = torch.zeros((B, T), dtype=torch.float32)
+        responses, rewards, ems, f1s = [], [], [], []
+        for b, row in enumerate(rows):
+            ids = list(row.prompt)
+            pos = len(ids)
+            for seg, act in row.segments:
+                if act >= 0:
+                    loss_mask[b, pos : pos + len(seg)] = True
+                    action_id[b, pos : pos + len(seg)] = act
+                ids.extend(seg)
+                pos += len(seg)
+            input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[b, : len(ids)] = 1
+            model_positions = loss_mask[b].nonzero()[:, 0]
+            sample_logp[b, model_positions] = torch.tensor(row.sample_logp, dtype=torch.float32)
+            if row.finish == "answer":
+                start = pos - len(row.segments[-1][0])
+                for offset in self._answer_token_span(row.segments[-1][0]):
+                    answer_mask[b, start + offset] = True
+            response = self.tokenizer.decode(ids[len(row.prompt):], skip_special_tokens=True)
+            responses.append(response)
+            gold = row.example.golden_answers
+            rewards.append(float(self.reward_fn(response, gold)))
+            pred = extract_answer(response)
+            ems.append(exact_match(pred, gold))
+            f1s.append(f1_score(pred, gold))
+        traj = Trajectory(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            prompt_len=torch.tensor([len(r.prompt) for r in rows], dtype=torch.long),
+            loss_mask=loss_mask,
+            action_id=action_id,
+            answer_mask=answer_mask,
+            group_id=torch.tensor([r.example.group_id for r in rows], dtype=torch.long),
+            reward=torch.tensor(rewards, dtype=torch.float32),
+            num_searches=torch.tensor([r.searches for r in rows], dtype=torch.long),
+            num_invalid=torch.tensor([r.invalid for r in rows], dtype=torch.long),
+            num_actions=torch.tensor([r.actions for r in rows], dtype=torch.long),
+            finish_reason=[r.finish for r in rows],
+            data_source=[r.example.data_source for r in rows],
+            responses=responses,
+            questions=[r.example.question for r in rows],
+            golden_answers=[list(r.example.golden_answers) for r in rows],
+            em=torch.tensor(ems, dtype=torch.float32),
+            f1=torch.tensor(f1s, dtype=torch.float32),
+            sample_logp=sample_logp,
+        )
+        return traj.to(device)
+
+    def _answer_token_span(self, action: list[int]) -> list[int]:
+        """Indices of the action's tokens that overlap its last <answer>...</answer> (char offsets
+        from prefix decoding, exact for any tokenizer)."""
+        text = self.tokenizer.decode(action, skip_special_tokens=False)
+        start = text.rfind("<answer>")
+        end = text.find("</answer>", start)
+        if start == -1 or end == -1:
+            return []
+        end += len("</answer>")
+        span, prev = [], 0
+        for i in range(len(action)):
+            cur = len(self.tokenizer.decode(action[: i + 1], skip_special_tokens=False))
+            if cur > start and prev < end:
+                span.append(i)
+            prev = cur
+            if prev >= end:
+                break
+        return span
+
+
+def _merge_adapter(model: nn.Module) -> bool:
+    """Fold LoRA into the base weights while sampling: one matmul per layer instead of three
+    (the adapter's two small matmuls cost as much as the base one at decode batch sizes)."""
+    if not callable(getattr(model, "merge_adapter", None)) or getattr(model, "_lldslight_no_merge", False):
+        return False
+    if any(getattr(m, "merged", False) for m in model.modules()):
+        return False
+    model.merge_adapter()
+    return True
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return sorted(ids)

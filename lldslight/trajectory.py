@@ -1,0 +1,88 @@
+"""The typed batch that flows from rollout to loss to metrics (DESIGN.md, Contracts).
+
+One row per rollout, right-padded. Per-token tensors are aligned with ``input_ids``: masks mark
+the token at the same position, and log-prob tensors hold log pi(input_ids[t] | input_ids[:t]).
+Padding is marked by ``attention_mask``, never by comparing ids with a pad id (a model may sample
+the pad token as EOS).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Trajectory:
+    input_ids: Tensor  # [B, T] long
+    attention_mask: Tensor  # [B, T] long, 1 on real tokens
+    prompt_len: Tensor  # [B] long
+    loss_mask: Tensor  # [B, T] bool, True on model-generated tokens only
+    action_id: Tensor  # [B, T] long, index of the action a model token belongs to, -1 elsewhere
+    answer_mask: Tensor  # [B, T] bool, the final <answer>...</answer> span
+    group_id: Tensor  # [B] long, unique per prompt
+    reward: Tensor  # [B] float
+    num_searches: Tensor  # [B] long, valid searches
+    num_invalid: Tensor  # [B] long, invalid actions
+    num_actions: Tensor  # [B] long
+    finish_reason: list[str]  # "answer" | "max_turns" | "length"
+    data_source: list[str]
+    responses: list[str]  # decoded response text, observations included
+    questions: list[str] = field(default_factory=list)
+    golden_answers: list[list[str]] = field(default_factory=list)
+    em: Tensor | None = None  # [B] float
+    f1: Tensor | None = None  # [B] float
+    sample_logp: Tensor | None = None  # [B, T] log-probs seen while sampling (diagnostics)
+    advantage: Tensor | None = None  # [B] float
+    old_logp: Tensor | None = None  # [B, T]
+    ref_logp: Tensor | None = None  # [B, T]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> Tensor:
+        return self.loss_mask.sum(-1)
+
+    def select(self, index: Tensor | list[int]) -> "Trajectory":
+        """Rows ``index`` (a mini- or micro-batch), trimmed to their longest row to cut padding."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        width = int(self.attention_mask[idx.to(self.attention_mask.device)].sum(-1).max().item()) if len(idx) else 0
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value[idx.to(value.device)]
+                if value.dim() == 2:
+                    value = value[:, :width]
+            elif isinstance(value, list) and len(value) == len(self):
+                value = [value[i] for i in idx.tolist()]
+            out[f.name] = value
+        return Trajectory(**out)
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                setattr(self, f.name, value.to(device))
+        return self
+
+    def check(self) -> None:
+        """Raise if the invariants of the contract do not hold (used by tests and debug runs)."""
+        B, T = self.input_ids.shape
+        for name in ("attention_mask", "loss_mask", "action_id", "answer_mask"):
+            if getattr(self, name).shape != (B, T):
+                raise ValueError(f"Trajectory.{name} has shape {tuple(getattr(self, name).shape)}, expected {(B, T)}")
+        real = self.attention_mask.bool()
+        if (self.loss_mask & ~real).any():
+            raise ValueError("Trajectory.loss_mask is set on a padding position")
+        positions = torch.arange(T, device=self.input_ids.device).unsqueeze(0)
+        if (self.loss_mask & (positions < self.prompt_len.unsqueeze(-1))).any():
+            raise ValueError("Trajectory.loss_mask is set on a prompt token")
+        if ((self.action_id >= 0) != self.loss_mask).any():
+            raise ValueError("Trajectory.action_id must be >= 0 exactly on model tokens")
+        if (self.answer_mask & ~self.loss_mask).any():
+            raise ValueError("Trajectory.answer_mask is set outside model tokens")
