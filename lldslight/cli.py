@@ -4,6 +4,7 @@ and export. Training runs are configured by YAML (``--config``, repeatable, late
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Optional
 
@@ -20,10 +21,17 @@ TOOLS = {
 def _cli_class():
     from lightning.pytorch.cli import LightningCLI
 
+    from lldslight.checkpoint import resolve_last_checkpoint
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 
-    return LightningCLI, GRPOModule, SearchQADataModule
+    class CLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            # `--ckpt_path last`: the newest last.ckpt of the logger's earlier runs.
+            if self.subcommand:
+                resolve_last_checkpoint(self.config[self.subcommand])
+
+    return CLI, GRPOModule, SearchQADataModule
 
 
 TRAINER_DEFAULTS = {
@@ -32,6 +40,8 @@ TRAINER_DEFAULTS = {
     "use_distributed_sampler": False,
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
+    # Crash-safe checkpoint writes (temp file, fsync, rename): a kill never leaves a corrupt last.ckpt.
+    "plugins": [{"class_path": "lldslight.checkpoint.AtomicCheckpointIO"}],
 }
 
 
@@ -41,6 +51,8 @@ def _quiet_known_warnings() -> None:
     # Manual optimisation checkpoints after the step by design; Lightning's advice does not apply.
     warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    # GRPOModule.on_after_batch_transfer (exact-resume RNG) is meant to run beside the datamodule's hooks.
+    warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer` in `LightningModule`.*")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -61,6 +73,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {name:23s} {text}")
         return 0 if argv else 2
     _quiet_known_warnings()
+    # Like `python -m`, make the working directory importable, so YAML can name your own
+    # callbacks and reward functions by class_path (e.g. callbacks.trajectory_table.TrajectoryTable).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     cli_class, module_cls, datamodule_cls = _cli_class()
     cli_class(
         module_cls,

@@ -22,8 +22,11 @@ from typing import Any, Callable, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lldslight import objectives as obj
+from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight.distributed import FSDPConfig, all_ranks_agree, fsdp2_strategy_check, shard_policy, through_root
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy
 from lldslight.trajectory import Trajectory
@@ -55,6 +58,7 @@ class StepContext:
     loss: float
     update_index: int
     metrics: dict[str, float] = field(default_factory=dict)
+    vetoed: bool = False  # already rejected (non-finite loss or norm, or an earlier gate)
 
 
 LossTerm = Callable[[LossContext], Tensor]
@@ -87,6 +91,8 @@ class GRPOModule(pl.LightningModule):
             to the sampling temperature so the first update is exactly on-policy.
         logprob_chunk_size: positions per vocabulary-projection chunk.
         shuffle_minibatches: shuffle rollouts before splitting into mini-batches.
+        fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
+            lldslight.distributed.FSDP2Strategy.
     """
 
     def __init__(
@@ -111,12 +117,15 @@ class GRPOModule(pl.LightningModule):
         logprob_temperature: float = 1.0,
         logprob_chunk_size: int = 512,
         shuffle_minibatches: bool = True,
+        fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if updates_per_rollout < 1 or micro_batch_size < 1:
             raise ValueError("updates_per_rollout and micro_batch_size must be >= 1")
         self.policy_config = policy
+        self.fsdp_config = fsdp
+        self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
         self.automatic_optimization = False
         # Checkpoints hold only trainable weights (the adapter under LoRA): loading is non-strict.
         self.strict_loading = False
@@ -127,6 +136,7 @@ class GRPOModule(pl.LightningModule):
         self.step_gates: dict[str, StepGate] = {}
         self.rollout_batch: Optional[Trajectory] = None  # set by SearchRollout before each step
         self.eval_batch: Optional[Trajectory] = None
+        self.last_rollout: Optional[Trajectory] = None
         self.timings: dict[str, float] = {}
         self.last_step_metrics: dict[str, float] = {}
         self.eval_records: list[dict] = []
@@ -139,10 +149,39 @@ class GRPOModule(pl.LightningModule):
         if self.policy is not None:
             return
         self.policy, self.tokenizer = load_policy(self.policy_config)
+        mesh = self._fsdp_mesh()
+        if mesh is not None:
+            shard_policy(self.policy, mesh, self.fsdp_config)
         if not has_adapter(self.policy) and self.hparams.kl_coef > 0:
             # Full fine-tuning: the reference must be a separate frozen copy of the initial weights.
-            self.reference = copy.deepcopy(self.policy).eval()
+            # Sharded, it is loaded again (a sharded model cannot be deep-copied, and two full
+            # copies on the host at once would double the peak host memory of every rank).
+            self.reference = (load_policy(self.policy_config)[0] if mesh is not None else copy.deepcopy(self.policy)).eval()
             self.reference.requires_grad_(False)
+            if mesh is not None:
+                shard_policy(self.reference, mesh, self.fsdp_config)
+
+    def _fsdp_mesh(self):
+        """The data-parallel mesh to shard over with FSDP2 (ModelParallelStrategy), else None (DDP,
+        one device). See lldslight/distributed.py."""
+        if self._trainer is not None:
+            fsdp2_strategy_check(self._trainer.strategy)
+        mesh = self.device_mesh
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"ModelParallelStrategy gave tensor_parallel_size={mesh['tensor_parallel'].size()}: lldslight "
+                "shards with FSDP2 over data parallelism only. Use lldslight.distributed.FSDP2Strategy, or set "
+                "data_parallel_size to the number of processes and tensor_parallel_size: 1."
+            )
+        if self.hparams.optimizer == "adamw8bit":
+            raise ValueError(
+                "model.optimizer: adamw8bit (bitsandbytes) cannot step FSDP2's sharded DTensor parameters; "
+                "use optimizer: adamw under FSDP2, or strategy: ddp for 8-bit AdamW"
+            )
+        return mesh["data_parallel"] if "data_parallel" in names else mesh
 
     def add_loss_term(self, name: str, fn: LossTerm) -> None:
         self.loss_terms[name] = fn
@@ -182,7 +221,7 @@ class GRPOModule(pl.LightningModule):
             model = self.reference
         else:
             model = self.policy
-        return token_logprobs(
+        return through_root(model, lambda: token_logprobs(  # FSDP2 root hooks around direct decoder/head calls
             model,
             traj.input_ids,
             traj.attention_mask,
@@ -190,7 +229,7 @@ class GRPOModule(pl.LightningModule):
             chunk_size=hp.logprob_chunk_size,
             temperature=hp.logprob_temperature,
             with_entropy=with_entropy,
-        )
+        ))
 
     @torch.no_grad()
     def _batch_logprobs(self, traj: Trajectory, reference: bool) -> Tensor:
@@ -227,6 +266,7 @@ class GRPOModule(pl.LightningModule):
                 "(see configs/demo.yaml)"
             )
         self.rollout_batch = None
+        self.last_rollout = traj  # for callbacks that look at the step's rollouts afterwards
         hp = self.hparams
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
         scheduler = self.lr_schedulers()
@@ -244,6 +284,8 @@ class GRPOModule(pl.LightningModule):
         self._count_training_step()
         self.timings["update_s"] = time.perf_counter() - t0
         self._log_step(traj, sums)
+        # Exact resume: the next step starts from this RNG state, here and after a restart.
+        self._rng_after_step = capture_rng()
 
     def _update(self, traj: Trajectory, mini: Tensor, update_index: int, optimizer) -> dict[str, float]:
         hp = self.hparams
@@ -258,10 +300,16 @@ class GRPOModule(pl.LightningModule):
             logp, entropy = self._logprobs(sub, with_entropy=True)
             mask = sub.loss_mask
             finite = torch.isfinite(logp) & torch.isfinite(sub.old_logp)
+            if sub.ref_logp is not None:
+                finite = finite & torch.isfinite(sub.ref_logp)
             nonfinite = int((mask & ~finite).sum())
-            if nonfinite:
+            if not bool(finite.all()):
+                # Zero the dropped positions in every operand, not just the mask: 0 * NaN is NaN.
                 mask = mask & finite
                 logp = torch.where(finite, logp, torch.zeros_like(logp))
+                sub.old_logp = torch.where(finite, sub.old_logp, torch.zeros_like(sub.old_logp))
+                if sub.ref_logp is not None:
+                    sub.ref_logp = torch.where(finite, sub.ref_logp, torch.zeros_like(sub.ref_logp))
             pg, ratio, clipped = obj.clipped_surrogate(logp, sub.old_logp, sub.advantage, hp.clip_eps, hp.clip_eps_high)
             loss = obj.aggregate(pg, mask, hp.aggregation)
             stats = {
@@ -297,6 +345,10 @@ class GRPOModule(pl.LightningModule):
             if not torch.isfinite(loss):
                 loss_ok = False  # never backpropagate a NaN: it would poison every gradient
                 stats["nonfinite_loss"] = 1.0
+                if self._trainer is not None and self._trainer.world_size > 1:
+                    # The other ranks' backward waits on this rank's gradient collectives: join them
+                    # with a zero gradient (the update is then vetoed on every rank, below).
+                    self.manual_backward(logp.sum() * 0.0)
             else:
                 self.manual_backward(loss * weight)
                 total_loss += float(loss.detach()) * weight
@@ -311,12 +363,17 @@ class GRPOModule(pl.LightningModule):
         params = self.trainable_parameters()
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if isinstance(grad_norm, DTensor):
+            # FSDP2: the norm is already global (Replicate); hand gates a plain tensor.
+            grad_norm = grad_norm.full_tensor()
+        loss_ok = all_ranks_agree(loss_ok, self.device)  # gates must see the same inputs on every rank
         step = StepContext(module=self, grad_norm=grad_norm, loss=total_loss, update_index=update_index)
-        accept = loss_ok and bool(torch.isfinite(grad_norm))
+        step.vetoed = not (loss_ok and bool(torch.isfinite(grad_norm)))
         for gate in self.step_gates.values():
-            if not accept:
-                break
-            accept = bool(gate(step))
+            # Every gate sees every update (a guard counts consecutive vetoes); none can undo a veto.
+            if not gate(step):
+                step.vetoed = True
+        accept = all_ranks_agree(not step.vetoed, self.device)  # one rank stepping alone splits the replicas
         acc.update(step.metrics)
         acc["grad_norm"] = float(grad_norm)
         acc["loss"] = total_loss
@@ -378,7 +435,59 @@ class GRPOModule(pl.LightningModule):
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
         self.last_step_metrics = metrics
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=self.trainer.world_size > 1)
+        # Across ranks: maxima stay maxima, counts add up, a step takes as long as its slowest rank.
+        sync = self.trainer.world_size > 1
+        parts: dict[str, dict[str, float]] = {"mean": {}, "max": {}, "sum": {}}
+        for k, v in metrics.items():
+            kind = "max" if (k.endswith("_max") or k.startswith("time/")) else "sum" if "nonfinite" in k else "mean"
+            parts[kind][k] = v
+        for kind, part in parts.items():
+            if part:
+                self.log_dict(part, on_step=True, on_epoch=False, batch_size=n, sync_dist=sync, reduce_fx=kind)
+
+    # -- checkpoints (lldslight/checkpoint.py) ----------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        state = checkpoint.get("state_dict")
+        # Only trainable weights (the adapter under LoRA; never the frozen reference): the rest is
+        # rebuilt from model.policy. A sharded FSDP2 checkpoint (DTensor values) keeps every key,
+        # since distributed-checkpoint loading asks for the model's full key set.
+        if state and not any(isinstance(v, DTensor) for v in state.values()):
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k in trainable}
+        checkpoint["lldslight"] = {
+            "trainable_keys": sorted(trainable),
+            "rng": gather_rng(self._rng_after_step if self._rng_after_step is not None else capture_rng()),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.policy is None:
+            self.configure_model()  # GRPOModule.load_from_checkpoint: build the model its weights load into
+        meta = checkpoint.get("lldslight", {})
+        state = checkpoint.get("state_dict")  # absent under FSDP2, whose strategy loaded it already
+        shapes = {k: p.shape for k, p in self.state_dict(keep_vars=True).items()}
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        if state:
+            saved = {k: getattr(v, "shape", None) for k, v in state.items()}
+        else:
+            saved = {k: None for k in meta.get("trainable_keys", trainable)}
+        check_state_keys(shapes, trainable, saved, source=str(getattr(self._trainer, "ckpt_path", None) or "being loaded"))
+        if state:
+            # The frozen weights are already in place: complete the dict with them, so the (non-strict)
+            # load that follows does not list every base weight as missing.
+            for k, v in self.state_dict().items():
+                state.setdefault(k, v)
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == "fit":  # resuming training, not just loading weights
+            self._rng_after_step = pick_rng(meta.get("rng"), trainer.global_rank, trainer.world_size)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Start each training step from the RNG state the previous one ended with (restored from the
+        # checkpoint after a restart): random draws between steps (the data loader draws a seed when
+        # it starts an epoch, and again when a resumed run restarts it) then never shift the stream.
+        if self._trainer is not None and self._trainer.training and self._rng_after_step is not None:
+            restore_rng(self._rng_after_step)
+        return batch
 
     # -- evaluation ---------------------------------------------------------------------------------
 
@@ -417,6 +526,14 @@ class GRPOModule(pl.LightningModule):
         flat = {f"{stage}/{k}": v for k, v in summary["overall"].items()}
         for source, values in summary["per_source"].items():
             flat[f"{stage}/em/{source}"] = values["em"]
-        if not self.trainer.sanity_checking:
-            # Every rank already holds the gathered numbers; no second reduction.
-            self.log_dict(flat, on_step=False, on_epoch=True, rank_zero_only=False, sync_dist=False)
+        if self.trainer.sanity_checking:
+            return
+        # Every rank already holds the gathered numbers; no second reduction.
+        self.log_dict(flat, on_step=False, on_epoch=True, rank_zero_only=False, sync_dist=False)
+        if self.trainer.is_global_zero and self.trainer.log_dir:
+            from lldslight.evaluation import write_report
+
+            json_path, md_path = write_report(summary, records, self.trainer.log_dir, f"{stage}_step{self.global_step}")
+            self.last_eval["report"] = str(md_path)
+            if self.trainer.state.fn in ("validate", "test"):
+                print(f"\n{stage} results ({json_path}):\n" + md_path.read_text(), flush=True)

@@ -111,52 +111,60 @@ def llds_penalty(
     normaliser: LLDSNormaliser = "preserving",
     token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old.
+    """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old (PAPER.md §4).
 
-    d = old_logp - logp per token (> 0: its likelihood fell). Preserving set P = rows with A >= 0.
-    A token of P is *gated in* when the sum of d over its action (gate="action"), its whole response
-    ("response"), or the token alone ("token") is positive; it then contributes max(0, d) times its
-    weight. The sum is divided by the number of model tokens in P ("preserving", paper) or in the
-    whole micro-batch ("all", official code).
+    d = old_logp - logp per token (> 0: its likelihood fell). Preserving set P = rows with A >= 0;
+    only model tokens (``mask``) count. A token of P is *gated in* when the sum of d over its
+    action (gate="action": a maximal run of model tokens, ``action_id``), over its whole response
+    ("response"), or the token alone ("token") is positive; it then contributes max(0, d) times
+    its ``token_weight`` (LLDS-MA: beta on answer tokens, 1 elsewhere; the gate sums use the
+    unweighted d). The sum is divided by the number of model tokens in P ("preserving", paper) or
+    in the whole micro-batch ("all", official code).
 
-    Returns (loss, diagnostics: active_actions, active_tokens, preserving_tokens as float tensors).
+    The gradient w.r.t. ``logp`` is -weight/N on every contributing token and 0 elsewhere.
+
+    Returns (loss, diagnostics as detached float tensors):
+        active_actions: (row, action) pairs with at least one contributing token;
+        active_tokens: contributing tokens (gated in, d > 0, weight > 0);
+        preserving_tokens: model tokens of P.
     """
     model_tok = mask.bool()
     preserving = model_tok & (advantage >= 0).unsqueeze(-1)
     d = (old_logp - logp).masked_fill(~preserving, 0.0)
+    d_sum_source = d.detach()
 
     if gate == "token":
         open_gate = preserving
-        units = preserving
     elif gate == "response":
-        open_gate = preserving & (d.sum(-1, keepdim=True) > 0)
-        units = preserving.any(-1, keepdim=True) & (d.sum(-1, keepdim=True) > 0)
+        open_gate = preserving & (d_sum_source.sum(-1, keepdim=True) > 0)
     elif gate == "action":
-        # Sum d over each (row, action) with one scatter, then read the sum back per token.
-        slots = int(action_id.max().item()) + 1 if action_id.numel() else 0
-        slots = max(slots, 1)
+        # Sum d per (row, action) with one scatter and read it back per token. An action has at
+        # least one token, so T slots always suffice (and need no host sync to size).
         index = action_id.clamp(min=0)
-        per_action = torch.zeros(d.shape[0], slots, dtype=d.dtype, device=d.device)
-        per_action.scatter_add_(1, index, d.detach())
+        per_action = torch.zeros_like(d_sum_source).scatter_add_(1, index, d_sum_source)
         open_gate = preserving & (per_action.gather(1, index) > 0)
-        seen = torch.zeros_like(per_action).scatter_add_(1, index, preserving.to(d.dtype)) > 0
-        units = seen & (per_action > 0)
     else:
         raise ValueError(f"unknown LLDS gate {gate!r}: use 'action', 'response' or 'token'")
 
-    contribution = torch.relu(d) * open_gate
-    if token_weight is not None:
-        contribution = contribution * token_weight
     if normaliser == "preserving":
         denominator = preserving.sum()
     elif normaliser == "all":
         denominator = model_tok.sum()
     else:
         raise ValueError(f"unknown LLDS normaliser {normaliser!r}: use 'preserving' or 'all'")
+
+    contribution = torch.relu(d) * open_gate
+    active = open_gate & (d_sum_source > 0)
+    if token_weight is not None:
+        contribution = contribution * token_weight
+        active = active & (token_weight > 0)
     loss = contribution.sum() / denominator.clamp(min=1).to(contribution.dtype)
+
+    index = action_id.clamp(min=0)
+    has_active = torch.zeros_like(d_sum_source).scatter_add_(1, index, active.to(d_sum_source.dtype)) > 0
     diagnostics = {
-        "active_actions": units.sum().to(logp.dtype).detach(),
-        "active_tokens": (open_gate & (d > 0)).sum().to(logp.dtype).detach(),
-        "preserving_tokens": preserving.sum().to(logp.dtype).detach(),
+        "active_actions": has_active.sum().to(logp.dtype),
+        "active_tokens": active.sum().to(logp.dtype),
+        "preserving_tokens": preserving.sum().to(logp.dtype),
     }
     return loss, diagnostics

@@ -80,6 +80,19 @@ class PolicyConfig:
     quantization: Optional[Literal["nf4", "int8"]] = None
     attn_implementation: Optional[str] = "sdpa"
 
+    def __post_init__(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in ("nf4", "int8"):
+            raise ValueError(f"policy.quantization must be 'nf4', 'int8' or null, got {self.quantization!r}")
+        if self.lora is None:
+            raise ValueError(
+                f"policy.quantization={self.quantization!r} needs policy.lora: quantized base weights cannot be "
+                "trained, QLoRA trains a LoRA adapter on top of them"
+            )
+        if self.random_init is not None:
+            raise ValueError("policy.quantization quantizes pretrained weights; it cannot be combined with policy.random_init")
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("LLDSLIGHT_CACHE", Path.home() / ".cache" / "lldslight"))
@@ -218,7 +231,8 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
             target_modules=cfg.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        with _seeded(cfg.init_seed):  # the adapter's random init must not depend on what ran before (ranks agree)
+            model = get_peft_model(model, lora)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
@@ -229,7 +243,12 @@ def _bnb_config(kind: str, compute_dtype: torch.dtype):
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
     except ImportError as err:
-        raise PolicyLoadError("quantization needs bitsandbytes: pip install 'lldslight[gpu]'") from err
+        raise PolicyLoadError(f"policy.quantization={kind!r} needs bitsandbytes: pip install 'lldslight[gpu]'") from err
+    if not torch.cuda.is_available():
+        raise PolicyLoadError(
+            f"policy.quantization={kind!r} needs a CUDA GPU (bitsandbytes' quantized kernels) and this machine "
+            "has none: remove policy.quantization to train LoRA on the full-precision base"
+        )
     if kind == "nf4":
         return BitsAndBytesConfig(
             load_in_4bit=True,

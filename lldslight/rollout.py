@@ -15,6 +15,7 @@ context it would see alone.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import time
@@ -23,6 +24,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from lldslight.data.example import QAExample
 from lldslight.policy import decoder_and_head
@@ -146,7 +149,10 @@ class RolloutEngine:
         model.eval()
         merged = _merge_adapter(model)
         try:
-            rows = self._run(model, examples, G, greedy)
+            from lldslight.distributed import gathered_generate
+
+            # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
+            rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
             if merged:
                 model.unmerge_adapter()
@@ -159,12 +165,13 @@ class RolloutEngine:
         cfg = self.config
         decoder, head = decoder_and_head(model)
         device = next(model.parameters()).device
-        from transformers import DynamicCache
 
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
         prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
         rows = [_Row(example=ex, prompt=list(p)) for ex, p in zip(examples, prompts) for _ in range(G)]
+        self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0, "prefill_s": 0.0, "decode_s": 0.0, "observation_s": 0.0, "compactions": 0}
+        clock = time.perf_counter()
 
         # Prefill each distinct prompt once (left-padded), then share its cache with its G rollouts.
         width = max(len(p) for p in prompts)
@@ -173,7 +180,7 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, device=device)
             attn[i, width - len(p):] = 1
-        cache = DynamicCache()
+        cache = _growing_cache()
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         out = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_arg: cache}, use_cache=True)
         logits = head(out.last_hidden_state[:, -1]).float()
@@ -183,47 +190,65 @@ class RolloutEngine:
             logits = logits.repeat_interleave(G, dim=0)
         next_pos = attn.sum(-1)
         live = list(range(len(rows)))  # row index of each cache slot
+        clock = self._tick("prefill_s", clock, device)
 
-        self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0}
+        eos = set(self.eos_ids)
         for turn in range(cfg.max_turns + 1):
             final = turn == cfg.max_turns
+            turn_rows = list(live)
             for r in live:
                 rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
-            budget = [min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in live]
-            for slot, r in enumerate(live):
-                if budget[slot] <= 0:
+            budget = {r: min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in live}
+            for r in live:
+                if budget[r] <= 0:
                     rows[r].stopped = True
-            step = 0
-            while not all(rows[r].stopped for r in live):
+            running = sum(not rows[r].stopped for r in live)
+            done: set[int] = set()  # rows whose rollout ended this turn: they may leave the batch now
+            while running:
                 tokens, token_logp = self._sample(logits, greedy)
-                step_ids = torch.full((len(live), 1), self.pad_id, dtype=torch.long, device=device)
-                step_mask = torch.zeros((len(live), 1), dtype=attn.dtype, device=device)
+                # One host transfer per step, not one per row.
+                tok_list, logp_list = tokens.tolist(), token_logp.tolist()
+                feed, fed = [self.pad_id] * len(live), [0] * len(live)
                 for slot, r in enumerate(live):
                     row = rows[r]
                     if row.stopped:
                         continue
-                    tok = int(tokens[slot])
+                    tok = tok_list[slot]
                     row.turn.append(tok)
-                    row.turn_logp.append(float(token_logp[slot]))
-                    if tok in self.eos_ids or len(row.turn) >= budget[slot] or self._hit_stop(row.turn):
+                    row.turn_logp.append(logp_list[slot])
+                    if tok in eos or len(row.turn) >= budget[r] or (tok in self._tag_closers and self._hit_stop(row.turn)):
                         row.stopped = True  # its last token is fed later, with the observation
+                        running -= 1
+                        if final or parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))[0] == "answer":
+                            done.add(r)
                     else:
-                        step_ids[slot, 0] = tok
-                        step_mask[slot, 0] = 1
-                step += 1
-                if all(rows[r].stopped for r in live):
+                        feed[slot], fed[slot] = tok, 1
+                if not running:
                     break
+                # Rows that finished for good stop costing compute: once they are a quarter of the
+                # batch, drop their cache rows (one copy of the cache, amortised over many steps).
+                n_done = sum(r in done for r in live)
+                if n_done and 4 * n_done >= len(live):
+                    keep = [s for s, r in enumerate(live) if r not in done]
+                    index = torch.tensor(keep, device=device)
+                    cache.batch_select_indices(index)
+                    attn, next_pos = attn[index], next_pos[index]
+                    feed, fed, live = [feed[s] for s in keep], [fed[s] for s in keep], [live[s] for s in keep]
+                    self.stats["compactions"] += 1
+                step_ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)
+                step_mask = torch.tensor(fed, dtype=attn.dtype, device=device).unsqueeze(-1)
                 attn = torch.cat([attn, step_mask], dim=1)
                 pos = next_pos.unsqueeze(-1).clone()
                 out = decoder(input_ids=step_ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
                 logits = head(out.last_hidden_state[:, -1]).float()
                 next_pos = next_pos + step_mask[:, 0].to(next_pos.dtype)
                 self.stats["decode_steps"] += 1
+            clock = self._tick("decode_s", clock, device)
 
             # Close the turn: record the action, decide what each rollout does next.
             searches: list[tuple[int, str]] = []
             pending: dict[int, list[int]] = {}
-            for r in live:
+            for r in turn_rows:
                 row = rows[r]
                 row.segments.append((row.turn, row.actions))
                 row.sample_logp.extend(row.turn_logp)
@@ -265,6 +290,7 @@ class RolloutEngine:
                 cache.batch_select_indices(torch.tensor(keep, device=device))
                 attn, next_pos = attn[keep], next_pos[keep]
             live = [live[s] for s in keep]
+            clock = time.perf_counter()  # retrieval and bookkeeping are not observation prefill
 
             # Feed each rollout's last sampled token plus its observation as one padded block.
             blocks = [[rows[r].segments[-2][0][-1]] + rows[r].segments[-1][0] for r in live]
@@ -281,28 +307,49 @@ class RolloutEngine:
             last = out.last_hidden_state[torch.arange(len(live), device=device), lengths - 1]
             logits = head(last).float()
             next_pos = next_pos + lengths.to(next_pos.dtype)
+            clock = self._tick("observation_s", clock, device)
         for r in live:
             if not rows[r].finish:
                 rows[r].finish = "max_turns"
         return rows
+
+    def _tick(self, key: str, since: float, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
+        now = time.perf_counter()
+        self.stats[key] += now - since
+        return now
 
     def _sample(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
         cfg = self.config
         if greedy:
             tokens = logits.argmax(-1)
             return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
-        scaled = logits / cfg.temperature
+        scaled = logits / cfg.temperature if cfg.temperature != 1.0 else logits
         logp = torch.log_softmax(scaled, -1)
-        filtered = scaled
-        if cfg.top_k > 0:
-            kth = torch.topk(filtered, min(cfg.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if cfg.top_p < 1.0:
-            from transformers.generation.logits_process import TopPLogitsWarper
+        if cfg.top_k > 0 or cfg.top_p < 1.0:
+            filtered = scaled
+            if cfg.top_k > 0:
+                kth = torch.topk(filtered, min(cfg.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
+                filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+            if cfg.top_p < 1.0:
+                from transformers.generation.logits_process import TopPLogitsWarper
 
-            filtered = TopPLogitsWarper(top_p=cfg.top_p)(None, filtered)
-        tokens = torch.multinomial(torch.softmax(filtered, -1), 1)[:, 0]
+                filtered = TopPLogitsWarper(top_p=cfg.top_p)(None, filtered)
+            probs = torch.softmax(filtered, -1)
+        else:
+            probs = logp.exp()  # the same distribution: no second softmax over the vocabulary
+        # multinomial, not an exponential race: on CPU drawing one random number per vocabulary
+        # entry costs more than the whole softmax (measured in benchmarks/rollout.py's notes).
+        tokens = torch.multinomial(probs, 1)[:, 0]
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    @functools.cached_property
+    def _tag_closers(self) -> frozenset[int]:
+        """Ids of the tokens that can complete a stop tag (their text holds its final '>'); byte
+        tokens ('<0x3E>') are kept too. Only after one of these is the decoded tail searched."""
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return frozenset(i for i, p in enumerate(pieces) if p is not None and (">" in p or p.startswith("<0x")))
 
     def _hit_stop(self, turn: list[int]) -> bool:
         # A tag is at most 9 characters, so the last 12 tokens always hold a freshly completed one.
@@ -370,6 +417,8 @@ class RolloutEngine:
             f1=torch.tensor(f1s, dtype=torch.float32),
             sample_logp=sample_logp,
         )
+        # The ids exactly as sampled, per rollout: tests check the trajectory never re-tokenised them.
+        traj.extras["sampled_ids"] = [[t for seg, act in r.segments if act >= 0 for t in seg] for r in rows]
         return traj.to(device)
 
     def _answer_token_span(self, action: list[int]) -> list[int]:
@@ -401,6 +450,63 @@ def _merge_adapter(model: nn.Module) -> bool:
         return False
     model.merge_adapter()
     return True
+
+
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values live in a buffer with spare room along the sequence:
+    appending a token writes into it, instead of torch.cat re-allocating and copying the whole cache
+    at every step (quadratic in the length; the largest non-matmul cost of CPU decoding). The
+    attention reads a view of the filled part."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._kbuf = self._vbuf = None
+            self._len = 0
+        need = self._len + key_states.shape[-2]
+        if self._kbuf is None or need > self._kbuf.shape[-2] or self._kbuf.shape[0] != key_states.shape[0]:
+            self._grow(key_states, value_states, need)
+        self._kbuf[:, :, self._len : need] = key_states
+        self._vbuf[:, :, self._len : need] = value_states
+        self._len = need
+        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+        return self.keys, self.values
+
+    def _grow(self, key_states: Tensor, value_states: Tensor, need: int) -> None:
+        capacity = max(need + 64, int(need * 1.5))  # geometric: O(1) amortised copies per token
+        kbuf = key_states.new_empty(key_states.shape[:2] + (capacity, key_states.shape[-1]))
+        vbuf = value_states.new_empty(value_states.shape[:2] + (capacity, value_states.shape[-1]))
+        if self._len:
+            kbuf[:, :, : self._len] = self.keys
+            vbuf[:, :, : self._len] = self.values
+        self._kbuf, self._vbuf = kbuf, vbuf
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized and self._len:
+            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
+            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
+            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.is_initialized and self._len:
+            self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
+            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.is_initialized and self.keys is not None:
+            self._len = self.keys.shape[-2]
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = None
+        self._len = 0
+        super().reset()
+
+
+def _growing_cache():
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _GrowingLayer  # layers are created on first use
+    return cache
 
 
 def _eos_ids(tokenizer) -> list[int]:

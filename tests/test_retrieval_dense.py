@@ -1,6 +1,7 @@
 """DenseRetriever with the packaged all-MiniLM-L6-v2 weights on a few dozen passages."""
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -125,6 +126,9 @@ def test_explicit_index_via_cli(tmp_path, capsys):
     r = load_index(str(out), device="cpu")
     assert isinstance(r, DenseRetriever) and r.query_prefix == "Q: "
     assert r.search(["What do bees produce?"], 1)[0][0].title == "Honey"
+    copy = pickle.loads(pickle.dumps(r))  # what a worker process receives: settings, no model
+    assert copy._encoder is None and copy.search(["coldest continent"], 1)[0][0].title == "Antarctica"
+    assert copy.build_count == 0
     with pytest.raises(RetrievalError, match="max_seq_length: index has 256, retriever has 128"):
         DenseRetriever(index_dir=str(out), max_seq_length=128).load()
 

@@ -1,5 +1,8 @@
 """Callbacks that compose a run in YAML: rollouts, the LLDS term, guards, diagnostics, summaries."""
+from lldslight.callbacks.guard import GradientSpikeGuard
+from lldslight.callbacks.llds import LLDS
+from lldslight.callbacks.monitor import LLDMonitor
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.callbacks.summary import RunSummary
 
-__all__ = ["SearchRollout", "RunSummary"]
+__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard"]

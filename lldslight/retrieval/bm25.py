@@ -49,6 +49,7 @@ class BM25Retriever(IndexedRetriever):
     """
 
     kind = "bm25"
+    _transient = ("_bm25", "_tokenizer")
 
     def __init__(
         self,

@@ -131,6 +131,7 @@ class DenseRetriever(IndexedRetriever):
     """
 
     kind = "dense"
+    _transient = ("_encoder", "_faiss")
 
     def __init__(
         self,

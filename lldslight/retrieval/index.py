@@ -461,9 +461,15 @@ class IndexedRetriever:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
+    # Loaded state (models, faiss indexes, open files) is not pickled: a copy sent to a worker
+    # process reopens the index from disk on its first search, without rebuilding it.
+    _transient: tuple[str, ...] = ()
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_lock"] = None
+        state["_lock"], state["_corpus"] = None, None
+        for name in self._transient:
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -1,0 +1,233 @@
+"""GRPO vs GRPO+LLDS from the same seed and data on the synthetic task: does vanilla GRPO show lazy
+likelihood displacement, and does LLDS prevent it? (PAPER.md §3-4)
+
+    .venv/bin/python benchmarks/collapse.py                 # full run, both arms (see README for time)
+    .venv/bin/python benchmarks/collapse.py --smoke         # 3 steps of a tiny model per arm (~2-4 min)
+    .venv/bin/python benchmarks/collapse.py --report-only   # redo table and figure from finished runs
+
+Each arm is one `lldslight fit` (a child process) of the recipe composed with the arm's config:
+    grpo: RECIPE + configs/grpo.yaml      llds: RECIPE + configs/llds.yaml
+(RECIPE = benchmarks/collapse.yaml, or benchmarks/collapse_smoke.yaml with --smoke), with the same
+seed_everything and data seed. Both record lld/* diagnostics (LLDMonitor is in the recipe).
+
+Output in OUT (default runs/collapse[_smoke]): OUT/<arm>/version_0/ (metrics.csv, lld.png,
+summary.json, config.yaml), OUT/<arm>.log, and the comparison: collapse.png (overlaid diagnostics),
+collapse.md (table) and collapse.json. Table columns: dev EM before -> after training (greedy, the
+recipe's dev split); the minimum per-step log-prob of correct (A>0) responses and its step; Delta,
+the per-step change of correct responses' log-prob caused by the step's own updates (mean, and the
+number of steps where it was negative = LLD seen directly); steps with a vetoed update
+(train/vetoed_updates > 0) or an exploding gradient (pre-clip grad norm non-finite or above
+--explode-factor x the run's median grad norm); the step of the first LLD early warning; the mean
+train reward of the last 5 steps; wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lldslight.plots import plot_runs, read_run  # noqa: E402
+
+ARMS = {"grpo": ("GRPO", "configs/grpo.yaml"), "llds": ("GRPO+LLDS", "configs/llds.yaml")}
+RECIPES = {"full": "benchmarks/collapse.yaml", "smoke": "benchmarks/collapse_smoke.yaml"}
+
+
+# --------------------------------------------------------------------------- running the arms
+
+
+def fit_command(arm: str, recipe: str, out: Path, seed: int, steps: Optional[int], extra_configs: list[str], overrides: list[str]) -> list[str]:
+    """The `lldslight fit` command line of one arm (configs compose left to right)."""
+    cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", recipe, "--config", ARMS[arm][1]]
+    for config in extra_configs:
+        cmd += ["--config", config]
+    cmd += [
+        "--seed_everything", str(seed),
+        "--data.seed", str(seed),
+        "--trainer.logger.init_args.save_dir", str(out),
+        "--trainer.logger.init_args.name", arm,
+        "--trainer.logger.init_args.version", "0",
+    ]
+    if steps is not None:
+        cmd += ["--trainer.max_steps", str(steps)]
+    return cmd + overrides
+
+
+def run_arm(arm: str, cmd: list[str], out: Path) -> float:
+    """Run one arm, its output teed to OUT/<arm>.log; the run's own [lldslight] lines are echoed."""
+    log_path = out / f"{arm}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    print(f"\n=== {ARMS[arm][0]}: {' '.join(cmd[1:])}\n    log: {log_path}", flush=True)
+    t0 = time.perf_counter()
+    tail: list[str] = []
+    with open(log_path, "w") as log, subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()  # the log is what one watches during an hour-long run
+            tail = (tail + [line])[-40:]
+            if line.startswith("[lldslight]") or "Error" in line:
+                print("    " + line.rstrip(), flush=True)
+        code = proc.wait()
+    wall = time.perf_counter() - t0
+    if code != 0:
+        sys.stdout.write("".join(tail))
+        raise SystemExit(f"collapse: arm {arm!r} failed (exit {code}); full log: {log_path}")
+    print(f"    done in {wall / 60:.1f} min", flush=True)
+    return wall
+
+
+# --------------------------------------------------------------------------- summarising
+
+
+def _finite(values) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def summarise_run(run_dir: Path, explode_factor: float = 5.0) -> dict:
+    """The comparison numbers of one finished run (see the module docstring for definitions)."""
+    frame = read_run(run_dir)
+    summary_json = run_dir / "summary.json"
+    summary = json.loads(summary_json.read_text()) if summary_json.exists() else {}
+
+    def dev_em(when: str) -> Optional[float]:
+        column = f"val_{when}/em"
+        if column in frame.columns and frame[column].notna().any():
+            return float(frame[column].dropna().iloc[-1])
+        overall = summary.get(f"dev_{when}") or {}
+        return overall.get("em")
+
+    out: dict = {"run_dir": str(run_dir), "dev_em_before": dev_em("before"), "dev_em_after": dev_em("after")}
+    frame = frame[frame["train/reward"].notna()]  # training steps only (evaluation rows logged apart)
+    out["steps"] = int(len(frame))
+    logp = frame["lld/logp_pos"].dropna()
+    out["logp_pos_first"] = float(logp.iloc[0]) if len(logp) else None
+    out["logp_pos_last"] = float(logp.iloc[-1]) if len(logp) else None
+    out["logp_pos_min"] = float(logp.min()) if len(logp) else None
+    out["logp_pos_min_step"] = int(logp.idxmin()) if len(logp) else None
+    delta = frame["lld/delta_correct"].dropna() if "lld/delta_correct" in frame.columns else frame.iloc[:0, 0]
+    out["delta_correct_mean"] = float(delta.mean()) if len(delta) else None
+    out["delta_correct_negative_steps"] = int((delta < 0).sum())
+    out["delta_correct_measured_steps"] = int(len(delta))
+
+    grad = frame["train/grad_norm"]
+    grad_max = frame["train/grad_norm_max"] if "train/grad_norm_max" in frame.columns else grad
+    finite = _finite(grad)
+    median = sorted(finite)[len(finite) // 2] if finite else float("nan")
+    exploding = [(not math.isfinite(g)) or g > explode_factor * median for g in grad_max.fillna(float("inf"))]
+    vetoed = (frame["train/vetoed_updates"].fillna(0) > 0).tolist() if "train/vetoed_updates" in frame.columns else [False] * len(frame)
+    out["grad_norm_median"] = median
+    out["exploding_steps"] = int(sum(exploding))
+    out["vetoed_steps"] = int(sum(vetoed))
+    out["vetoed_or_exploding_steps"] = int(sum(e or v for e, v in zip(exploding, vetoed)))
+    warnings = frame.index[frame["lld/warning"].fillna(0) > 0].tolist() if "lld/warning" in frame.columns else []
+    out["first_warning_step"] = int(warnings[0]) if warnings else None
+    phases = frame["lld/phase"].dropna() if "lld/phase" in frame.columns else []
+    out["final_phase"] = int(phases.iloc[-1]) if len(phases) else None
+    out["steps_in_decay"] = int((phases == 2).sum()) if len(phases) else 0
+    out["steps_in_acceleration"] = int((phases == 3).sum()) if len(phases) else 0
+    reward = frame["train/reward"].dropna()
+    out["train_reward_last5"] = float(reward.iloc[-5:].mean()) if len(reward) else None
+    out["wall_time_s"] = summary.get("wall_time_s")
+    return out
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def table(results: dict[str, dict]) -> str:
+    """The comparison as a markdown table, one row per arm."""
+    header = (
+        "| arm | dev EM before -> after | min log-prob of correct (step) | Delta correct: mean (neg. steps / measured) "
+        "| steps vetoed or exploding | first LLD warning | train reward (last 5) | wall |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for arm, r in results.items():
+        minimum = f"{_fmt(r['logp_pos_min'])} ({r['logp_pos_min_step']})" if r["logp_pos_min"] is not None else "n/a"
+        delta = f"{_fmt(r['delta_correct_mean'], '+.4f')} ({r['delta_correct_negative_steps']} / {r['delta_correct_measured_steps']})"
+        wall = f"{r['wall_time_s'] / 60:.0f} min" if r.get("wall_time_s") else "n/a"
+        warning = "none" if r["first_warning_step"] is None else f"step {r['first_warning_step']}"
+        rows.append(
+            f"| {ARMS[arm][0]} | {_fmt(r['dev_em_before'])} -> {_fmt(r['dev_em_after'])} | {minimum} | {delta} "
+            f"| {r['vetoed_or_exploding_steps']} of {r['steps']} | {warning} | {_fmt(r['train_reward_last5'])} | {wall} |"
+        )
+    return header + "\n".join(rows) + "\n"
+
+
+def report(out: Path, arms: list[str], explode_factor: float, smooth: int, meta: dict) -> dict:
+    """Write collapse.png, collapse.md and collapse.json for the finished arms in ``out``."""
+    run_dirs = [out / arm / "version_0" for arm in arms]
+    results = {arm: summarise_run(d, explode_factor) for arm, d in zip(arms, run_dirs)}
+    figure = plot_runs(
+        run_dirs, out / "collapse.png", labels=[ARMS[a][0] for a in arms], smooth=smooth,
+        title="GRPO vs GRPO+LLDS, same seed and data",
+    )
+    text = table(results)
+    (out / "collapse.md").write_text(
+        "# GRPO vs GRPO+LLDS (benchmarks/collapse.py)\n\n" + text
+        + f"\nExploding = pre-clip grad norm non-finite or > {explode_factor:g}x the run's median. Figure: collapse.png\n"
+    )
+    payload = {"meta": meta, "explode_factor": explode_factor, "arms": results, "figure": str(figure)}
+    (out / "collapse.json").write_text(json.dumps(payload, indent=2))
+    print("\n" + text + f"\nfigure: {figure}\ntable:  {out / 'collapse.md'}\njson:   {out / 'collapse.json'}", flush=True)
+    return payload
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Arguments after `--` go to every `lldslight fit`.")
+    parser.add_argument("--smoke", action="store_true", help="tiny random model, 3 steps per arm: proves the pipeline")
+    parser.add_argument("--recipe", default=None, help="base config (default benchmarks/collapse.yaml, or collapse_smoke.yaml with --smoke)")
+    parser.add_argument("--out", default=None, help="output directory (default runs/collapse or runs/collapse_smoke)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--seed", type=int, default=0, help="seed_everything and data seed, the same for every arm")
+    parser.add_argument("--steps", type=int, default=None, help="override trainer.max_steps")
+    parser.add_argument("--config", dest="extra_configs", action="append", default=[], help="extra config composed after the arm's (repeatable), e.g. configs/guard.yaml")
+    parser.add_argument("--explode-factor", type=float, default=5.0)
+    parser.add_argument("--smooth", type=int, default=None, help="rolling mean in the figure (default 3, 1 with --smoke)")
+    parser.add_argument("--report-only", action="store_true", help="only redo the table and figure from OUT")
+    parser.add_argument("--force", action="store_true", help="delete an arm's previous output in OUT first")
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and overrides[0] == "--":
+        overrides = overrides[1:]
+    recipe = args.recipe or RECIPES["smoke" if args.smoke else "full"]
+    out = (ROOT / (args.out or ("runs/collapse_smoke" if args.smoke else "runs/collapse"))).resolve()
+    smooth = args.smooth or (1 if args.smoke else 3)
+    for path in [recipe] + [ARMS[a][1] for a in args.arms] + args.extra_configs:
+        if not (ROOT / path).is_file():
+            raise SystemExit(f"collapse: config not found: {path} (relative to {ROOT})")
+    meta = {"recipe": recipe, "seed": args.seed, "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides, "arms": {}}
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        for arm in args.arms:
+            previous = out / arm
+            if previous.exists():
+                if not args.force:
+                    raise SystemExit(f"collapse: {previous} exists; pass --force to redo it or --report-only to reuse it")
+                shutil.rmtree(previous)
+        for arm in args.arms:
+            cmd = fit_command(arm, recipe, out, args.seed, args.steps, args.extra_configs, overrides)
+            wall = run_arm(arm, cmd, out)
+            meta["arms"][arm] = {"command": " ".join(cmd[1:]), "wall_s": wall}
+    report(out, args.arms, args.explode_factor, smooth, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

