@@ -1,7 +1,7 @@
 """GRPO vs GRPO+LLDS from the same seed and data on the synthetic task: does vanilla GRPO show lazy
 likelihood displacement, and does LLDS prevent it? (PAPER.md §3-4)
 
-    .venv/bin/python benchmarks/collapse.py                 # full run, both arms (see README for time)
+    .venv/bin/python benchmarks/collapse.py                 # full run: 15 steps per arm, both arms
     .venv/bin/python benchmarks/collapse.py --smoke         # 3 steps of a tiny model per arm (~2-4 min)
     .venv/bin/python benchmarks/collapse.py --report-only   # redo table and figure from finished runs
 
@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -72,13 +73,18 @@ def run_arm(arm: str, cmd: list[str], out: Path) -> float:
     with open(log_path, "w") as log, subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     ) as proc:
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()  # the log is what one watches during an hour-long run
-            tail = (tail + [line])[-40:]
-            if line.startswith("[lldslight]") or "Error" in line:
-                print("    " + line.rstrip(), flush=True)
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()  # the log is what one watches during an hour-long run
+                tail = (tail + [line])[-40:]
+                if line.startswith("[lldslight]") or "Error" in line:
+                    print("    " + line.rstrip(), flush=True)
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: never leave an orphaned training run behind
+                proc.kill()
+                proc.wait()
     wall = time.perf_counter() - t0
     if code != 0:
         sys.stdout.write("".join(tail))
@@ -116,6 +122,7 @@ def summarise_run(run_dir: Path, explode_factor: float = 5.0) -> dict:
     out["logp_pos_min"] = float(logp.min()) if len(logp) else None
     out["logp_pos_min_step"] = int(logp.idxmin()) if len(logp) else None
     delta = frame["lld/delta_correct"].dropna() if "lld/delta_correct" in frame.columns else frame.iloc[:0, 0]
+    out["signal_steps"] = int((frame["lld/n_pos"].fillna(0) > 0).sum()) if "lld/n_pos" in frame.columns else int(logp.notna().sum())
     out["delta_correct_mean"] = float(delta.mean()) if len(delta) else None
     out["delta_correct_negative_steps"] = int((delta < 0).sum())
     out["delta_correct_measured_steps"] = int(len(delta))
@@ -177,6 +184,13 @@ def report(out: Path, arms: list[str], explode_factor: float, smooth: int, meta:
         title="GRPO vs GRPO+LLDS, same seed and data",
     )
     text = table(results)
+    silent = [ARMS[a][0] for a, r in results.items() if r["signal_steps"] == 0]
+    if silent:
+        text += (
+            f"\nNO LEARNING SIGNAL in {', '.join(silent)}: no step had a response with positive advantage "
+            "(every group's rewards were equal), so GRPO did nothing and LLD cannot show. The policy never "
+            "earned reward: use a model that follows the <search>/<answer> format (or warm-start it) first.\n"
+        )
     (out / "collapse.md").write_text(
         "# GRPO vs GRPO+LLDS (benchmarks/collapse.py)\n\n" + text
         + f"\nExploding = pre-clip grad norm non-finite or > {explode_factor:g}x the run's median. Figure: collapse.png\n"
@@ -204,6 +218,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only redo the table and figure from OUT")
     parser.add_argument("--force", action="store_true", help="delete an arm's previous output in OUT first")
     args, overrides = parser.parse_known_args(argv)
+    # SIGTERM (e.g. a scheduler's kill) unwinds like Ctrl-C, so the running arm is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
     recipe = args.recipe or RECIPES["smoke" if args.smoke else "full"]

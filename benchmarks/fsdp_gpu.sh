@@ -10,7 +10,9 @@
 # is the demo model's architecture (Llama) with Qwen2.5-0.5B's sizes: 24 layers, hidden 896,
 # MLP 4864, 14 heads / 2 KV heads, vocabulary 151,936, tied embeddings (494M parameters).
 # Environment: PYTHON (default .venv/bin/python, else python), GPUS (default: all), OUT.
-# CPU smoke test of this script (gloo, tiny model): ACCELERATOR=cpu GPUS=2 DIMS=tiny bash benchmarks/fsdp_gpu.sh 2
+# PARAM_DTYPE (FSDP compute dtype, default bfloat16), PROMPTS (per GPU, default 8), MAX_NEW (tokens per turn, 96).
+# CPU smoke test of this script (gloo, tiny model, fp32):
+#   ACCELERATOR=cpu GPUS=2 DIMS=tiny PARAM_DTYPE=float32 PROMPTS=2 MAX_NEW=16 bash benchmarks/fsdp_gpu.sh 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -32,6 +34,9 @@ mkdir -p "$OUT"
 QWEN05='{num_hidden_layers: 24, hidden_size: 896, intermediate_size: 4864, num_attention_heads: 14, num_key_value_heads: 2, head_dim: 64, vocab_size: 151936, tie_word_embeddings: true}'
 TINY='{num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}'
 DIMS=${DIMS:-$QWEN05}
+PARAM_DTYPE=${PARAM_DTYPE:-bfloat16}
+PROMPTS=${PROMPTS:-8}
+MAX_NEW=${MAX_NEW:-96}
 [ "$DIMS" = tiny ] && DIMS=$TINY
 
 run() {  # name, lora (null or {r: 16, alpha: 32}), lr
@@ -45,12 +50,12 @@ trainer:
   enable_progress_bar: false
   logger: {class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: $OUT, name: $name}}
   callbacks:
+    - class_path: fsdp_probe.GpuProbe   # first: its step clock and memory peak include the rollout
+      init_args: {out_dir: $OUT/$name, label: $name}
     - class_path: lldslight.callbacks.SearchRollout
       init_args:
         retriever: {class_path: lldslight.retrieval.BM25Retriever, init_args: {corpus: .lldslight/tiny_data/corpus.jsonl}}
-        rollout: {group_size: 5, max_turns: 2, max_new_tokens: 96, max_obs_tokens: 160, max_response_tokens: 512, topk: 3, temperature: 1.0}
-    - class_path: fsdp_probe.GpuProbe
-      init_args: {out_dir: $OUT/$name, label: $name}
+        rollout: {group_size: 5, max_turns: 2, max_new_tokens: $MAX_NEW, max_obs_tokens: 160, max_response_tokens: 512, topk: 3, temperature: 1.0}
 model:
   policy:
     model: smollm2-135m-instruct
@@ -58,13 +63,13 @@ model:
     random_init: $DIMS
     lora: $lora
     gradient_checkpointing: true
-  fsdp: {param_dtype: bfloat16, reduce_dtype: float32}
+  fsdp: {param_dtype: $PARAM_DTYPE, reduce_dtype: float32}
   lr: $lr
   updates_per_rollout: 2
   micro_batch_size: 8
   kl_coef: 0.001
 data:
-  batch_size: 8
+  batch_size: $PROMPTS
 EOF
   echo "== $name: $GPUS x $ACCELERATOR, $STEPS steps" >&2
   PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m lldslight.cli fit \
@@ -76,5 +81,5 @@ run full-ft null 1.0e-6
 run lora "{r: 16, alpha: 32}" 1.0e-5
 
 echo
-echo "FSDP2 (lldslight.distributed.FSDP2Strategy), random-init Qwen2.5-0.5B-shaped model, 8 prompts x G=5 per GPU"
+echo "FSDP2 (lldslight.distributed.FSDP2Strategy), random-init model $DIMS, $PROMPTS prompts x G=5 per GPU, compute $PARAM_DTYPE"
 "$PY" benchmarks/fsdp_probe.py report "$OUT/full-ft" "$OUT/lora"

@@ -56,7 +56,7 @@ class GpuProbe(pl.Callback):
 
 
 def report(dirs: list[str]) -> str:
-    head = ("| run | GPUs | params | trainable | step s (median) | rollout s | log-prob s | update s "
+    head = ("| run | GPUs | module params (policy + reference) | trainable | step s (median) | rollout s | log-prob s | update s "
             "| peak alloc GiB/GPU (max over ranks) | peak reserved GiB/GPU |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for d in dirs:

@@ -131,6 +131,7 @@ def worker_lldslight(spec: dict) -> dict:
         updates_per_rollout=1,
         micro_batch_size=spec["micro_batch"],
         **({"micro_batch_tokens": spec["micro_batch_tokens"]} if spec.get("micro_batch_tokens") else {}),
+        **({"logprob_chunk_size": spec["logprob_chunk_size"]} if spec.get("logprob_chunk_size") else {}),
         kl_coef=spec["beta"],
         aggregation="seq-mean-token-mean",
         grad_clip=1.0,
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4, help="rows per forward/backward (TRL: per_device_train_batch_size)")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="lldslight only: pack micro-batches by token budget")
+    p.add_argument("--logprob-chunk-size", type=int, default=None, help="lldslight only: positions per vocabulary chunk (default: the library's)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0 = no reference pass, both sides)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")
@@ -368,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": args.max_new_tokens,
         "micro_batch": args.micro_batch,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "logprob_chunk_size": args.logprob_chunk_size,
         "lora_r": args.lora_r,
         "beta": args.beta,
         "steps": args.steps,

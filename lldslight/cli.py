@@ -55,6 +55,21 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer` in `LightningModule`.*")
 
 
+def _unreadable_config(argv: list[str]) -> Optional[str]:
+    """jsonargparse reports YAML syntax errors without the file's name: check each --config first."""
+    import yaml
+
+    for flag, value in zip(argv, argv[1:]):
+        if flag not in ("--config", "-c") or not os.path.isfile(value):
+            continue
+        try:
+            with open(value) as f:
+                yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            return f"malformed YAML in {value}: {err}"
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in TOOLS:
@@ -72,6 +87,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, (_, text) in TOOLS.items():
             print(f"  {name:23s} {text}")
         return 0 if argv else 2
+    bad = _unreadable_config(argv)
+    if bad:
+        print(f"lldslight: {bad}", file=sys.stderr)
+        return 2
     _quiet_known_warnings()
     # Like `python -m`, make the working directory importable, so YAML can name your own
     # callbacks and reward functions by class_path (e.g. callbacks.trajectory_table.TrajectoryTable).

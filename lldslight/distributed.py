@@ -19,8 +19,9 @@ Two things differ from the usual ``loss = model(batch)`` FSDP2 program, and this
   with no collective at all, and frees the gathered weights at the end (one all-gather per layer
   per rollout instead of one per layer per token).
 
-Lightning's ``FSDPStrategy`` (FSDP1) wraps modules so that neither of these can be arranged; the
-module refuses it with a message pointing here. DDP needs nothing from this file except
+Lightning's ``FSDPStrategy`` (FSDP1) would need both done differently (its root is Lightning's
+wrapper, generation would go through ``summon_full_params``); that is not implemented, so the
+module refuses FSDP1 with a message pointing here. DDP needs nothing from this file except
 :func:`all_ranks_agree`.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, TypeVar
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lldslight.policy import causal_lm
@@ -171,19 +173,13 @@ def fsdp2_strategy_check(strategy: Any) -> None:
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
             "trainer.strategy: FSDPStrategy (FSDP1) is not supported: lldslight calls the decoder and "
-            "LM head directly and decodes a different number of tokens per rank, which FSDP1's wrappers "
-            "cannot do. Use class_path lldslight.distributed.FSDP2Strategy (FSDP2 through Lightning's "
-            "ModelParallelStrategy) or strategy: ddp."
+            "LM head directly and decodes a different number of tokens on each rank, which it arranges for "
+            "FSDP2 only (lldslight/distributed.py). Use class_path lldslight.distributed.FSDP2Strategy "
+            "(FSDP2 through Lightning's ModelParallelStrategy) or strategy: ddp."
         )
 
 
-def _model_parallel_strategy():
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    return ModelParallelStrategy
-
-
-class FSDP2Strategy(_model_parallel_strategy()):
+class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy with every process in one data-parallel (FSDP2) dimension.
 
     ``ModelParallelStrategy``'s defaults (data_parallel_size = nodes, tensor_parallel_size = GPUs per

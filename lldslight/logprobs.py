@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from lldslight.policy import decoder_and_head
 
 
-def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True):
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -23,7 +23,10 @@ def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: 
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp, torch.zeros_like(logp)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    # An entropy that is only logged needs no graph: its [n, V] intermediates are then freed at once
+    # instead of being kept for a backward that never uses them.
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 
@@ -35,8 +38,11 @@ def token_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """log pi(input_ids[b, t] | input_ids[b, :t]) and the entropy at t, where ``mask[b, t]``.
+
+    ``entropy_grad=False``: the entropy is a detached diagnostic (no entropy bonus in the loss).
 
     Returns two float32 [B, T] tensors, zero where ``mask`` is off (including t = 0).
     """
@@ -52,9 +58,9 @@ def token_logprobs(
     for start in range(0, selected.shape[0], chunk_size):
         h, y = selected[start : start + chunk_size], targets[start : start + chunk_size]
         if need_grad:
-            lp, ent = checkpoint(_chunk_stats, head, h, y, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_stats, head, h, y, temperature, with_entropy, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy)
+            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy, entropy_grad)
         logp_parts.append(lp)
         entropy_parts.append(ent)
     logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)

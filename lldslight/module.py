@@ -61,6 +61,23 @@ class StepContext:
     vetoed: bool = False  # already rejected (non-finite loss or norm, or an earlier gate)
 
 
+def _trim_host_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc). On CPU, the rollout and the update each free
+    hundreds of MB of mid-sized tensors that malloc would otherwise keep, so the next phase's
+    peak would sit on top of the last one's leftovers. A few ms; a no-op elsewhere."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+try:
+    import ctypes
+
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (present on glibc only)
+except (OSError, AttributeError):
+    _LIBC = None
+
+
 LossTerm = Callable[[LossContext], Tensor]
 StepGate = Callable[[StepContext], bool]
 
@@ -80,6 +97,18 @@ class GRPOModule(pl.LightningModule):
         updates_per_rollout: mini-batches (optimiser updates) per rollout batch; the first is
             on-policy, the rest are increasingly off-policy (LLDS needs >= 2).
         micro_batch_size: rollouts per forward/backward; gradients accumulate over a mini-batch.
+        micro_batch_tokens: when set, micro-batches are packed by a token budget instead: rows
+            sorted by length, as many per micro-batch as fit in ``rows x longest row <= budget``
+            (a longer row goes alone). Less padding, same gradient (micro-batches are weighted by
+            their share of the mini-batch's loss). One process only.
+        old_logp_source: "recompute" runs a forward pass for pi_old's log-probs (veRL's way);
+            "rollout" takes the log-probs the sampler computed while generating (identical weights
+            and temperature; they agree to ~1e-5 in fp32, tested) and saves that pass. Prefer
+            "recompute" in bf16 or with a separate inference engine.
+        reuse_onpolicy_logp: the first mini-batch's update runs on the weights that sampled the
+            rollouts, so its old log-probs are its own log-probs, detached: skip their separate
+            no-grad pass (with ``updates_per_rollout: 1``, the whole pass). False computes them all
+            up front, as before.
         clip_eps: PPO clip epsilon (lower side).
         clip_eps_high: upper clip epsilon (None = clip_eps; larger values = "clip-higher").
         aggregation: "seq-mean-token-mean" (paper) or "token-mean" (official code).
@@ -107,6 +136,9 @@ class GRPOModule(pl.LightningModule):
         optimizer: Literal["adamw", "adamw8bit"] = "adamw",
         updates_per_rollout: int = 1,
         micro_batch_size: int = 4,
+        micro_batch_tokens: Optional[int] = None,
+        reuse_onpolicy_logp: bool = True,
+        old_logp_source: Literal["recompute", "rollout"] = "recompute",
         clip_eps: float = 0.2,
         clip_eps_high: Optional[float] = None,
         aggregation: obj.Aggregation = "seq-mean-token-mean",
@@ -123,6 +155,8 @@ class GRPOModule(pl.LightningModule):
         self.save_hyperparameters()
         if updates_per_rollout < 1 or micro_batch_size < 1:
             raise ValueError("updates_per_rollout and micro_batch_size must be >= 1")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
         self.policy_config = policy
         self.fsdp_config = fsdp
         self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
@@ -149,6 +183,8 @@ class GRPOModule(pl.LightningModule):
         if self.policy is not None:
             return
         self.policy, self.tokenizer = load_policy(self.policy_config)
+        # from_pretrained returns eval mode; HF's gradient checkpointing only acts in train mode.
+        self.policy.train()
         mesh = self._fsdp_mesh()
         if mesh is not None:
             shard_policy(self.policy, mesh, self.fsdp_config)
@@ -229,28 +265,76 @@ class GRPOModule(pl.LightningModule):
             chunk_size=hp.logprob_chunk_size,
             temperature=hp.logprob_temperature,
             with_entropy=with_entropy,
+            entropy_grad=bool(hp.entropy_coef),  # else the entropy is a logged diagnostic only
         ))
 
+    def _micro_batches(self, traj: Trajectory, rows: Tensor) -> list[Tensor]:
+        """Split ``rows`` into micro-batches: ``micro_batch_size`` rows each, or packed by
+        ``micro_batch_tokens`` (sorted by length, so rows of similar length share a batch)."""
+        hp = self.hparams
+        budget = hp.get("micro_batch_tokens")
+        if not budget:
+            return [rows[i : i + hp.micro_batch_size] for i in range(0, len(rows), hp.micro_batch_size)]
+        if self._trainer is not None and self._trainer.world_size > 1:
+            # Ranks would pack different numbers of micro-batches, and every forward/backward is a
+            # collective under DDP/FSDP: they would wait on each other forever.
+            raise ValueError("model.micro_batch_tokens packs per process; with more than one process use micro_batch_size")
+        lengths = traj.attention_mask[rows.to(traj.attention_mask.device)].sum(-1).cpu()
+        order = rows[torch.argsort(lengths, stable=True)]
+        sorted_len = lengths.sort(stable=True).values.tolist()
+        out, start = [], 0
+        for i in range(1, len(order) + 1):
+            # rows start..i-1 are sorted ascending, so row i-1 is the longest: padded size = count x it
+            if i == len(order) or (i + 1 - start) * sorted_len[i] > budget:
+                out.append(order[start:i])
+                start = i
+        return out
+
+    def _micro_weight(self, sub: Trajectory, mini_mask: Tensor) -> float:
+        """A micro-batch's share of the mini-batch loss, so that the accumulated gradient is the
+        gradient of the whole mini-batch's loss however it is split: the share of responses that
+        have tokens (seq-mean-token-mean) or of tokens (token-mean)."""
+        mask = sub.loss_mask
+        if self.hparams.aggregation == "token-mean":
+            total = float(mini_mask.sum())
+            return float(mask.sum()) / total if total else len(sub) / len(mini_mask)
+        total = float(mini_mask.any(-1).sum())
+        return float(mask.any(-1).sum()) / total if total else len(sub) / len(mini_mask)
+
     @torch.no_grad()
-    def _batch_logprobs(self, traj: Trajectory, reference: bool) -> Tensor:
+    def _batch_logprobs(self, traj: Trajectory, reference: bool, rows: Optional[Tensor] = None) -> Tensor:
+        """Log-probs of ``rows`` (default: all), zero elsewhere."""
         out = torch.zeros(traj.input_ids.shape, dtype=torch.float32, device=traj.input_ids.device)
-        mb = self.hparams.micro_batch_size
-        for start in range(0, len(traj), mb):
-            idx = list(range(start, min(start + mb, len(traj))))
+        rows = torch.arange(len(traj)) if rows is None else rows
+        for idx in self._micro_batches(traj, rows):
             sub = traj.select(idx)
             if reference and self.reference is None:
                 with self.policy.disable_adapter():
                     logp, _ = self._logprobs(sub)
             else:
                 logp, _ = self._logprobs(sub, reference=reference)
-            out[start : start + len(idx), : logp.shape[1]] = logp
+            out[idx.to(out.device), : logp.shape[1]] = logp
         return out
 
-    def prepare_rollout(self, traj: Trajectory) -> Trajectory:
-        """Old and reference log-probs and group advantages, once per rollout batch."""
+    def prepare_rollout(self, traj: Trajectory, onpolicy_rows: Optional[Tensor] = None) -> Trajectory:
+        """Old and reference log-probs and group advantages, once per rollout batch.
+
+        ``onpolicy_rows``: rows whose old log-probs the first update fills in itself (see
+        ``reuse_onpolicy_logp``); they are left at zero here.
+        """
         hp = self.hparams
         t0 = time.perf_counter()
-        traj.old_logp = self._batch_logprobs(traj, reference=False)
+        rows = None
+        self._old_pending = torch.zeros(len(traj), dtype=torch.bool)
+        if onpolicy_rows is not None and len(onpolicy_rows):
+            self._old_pending[onpolicy_rows] = True
+            rows = (~self._old_pending).nonzero()[:, 0]
+        if hp.get("old_logp_source", "recompute") == "rollout" and traj.sample_logp is not None:
+            # The sampler's own log-probs (same weights, same temperature): no extra forward pass.
+            traj.old_logp = traj.sample_logp.clone()
+            self._old_pending.zero_()
+        else:
+            traj.old_logp = self._batch_logprobs(traj, reference=False, rows=rows)
         traj.ref_logp = self._batch_logprobs(traj, reference=True) if hp.kl_coef > 0 else None
         traj.advantage = obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std)
         self.timings["logprob_s"] = time.perf_counter() - t0
@@ -270,11 +354,12 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
         scheduler = self.lr_schedulers()
-        self.prepare_rollout(traj)
-
-        t0 = time.perf_counter()
         order = torch.randperm(len(traj)) if hp.shuffle_minibatches else torch.arange(len(traj))
         minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
+        self.prepare_rollout(traj, onpolicy_rows=minibatches[0] if hp.get("reuse_onpolicy_logp", True) else None)
+        _trim_host_memory()
+
+        t0 = time.perf_counter()
         sums: dict[str, list[float]] = {}
         for update_index, mini in enumerate(minibatches):
             metrics = self._update(traj, mini, update_index, optimizer)
@@ -283,6 +368,7 @@ class GRPOModule(pl.LightningModule):
         scheduler.step()
         self._count_training_step()
         self.timings["update_s"] = time.perf_counter() - t0
+        _trim_host_memory()
         self._log_step(traj, sums)
         # Exact resume: the next step starts from this RNG state, here and after a restart.
         self._rng_after_step = capture_rng()
@@ -290,14 +376,21 @@ class GRPOModule(pl.LightningModule):
     def _update(self, traj: Trajectory, mini: Tensor, update_index: int, optimizer) -> dict[str, float]:
         hp = self.hparams
         optimizer.zero_grad(set_to_none=True)
-        mb = hp.micro_batch_size
         acc: dict[str, float] = {}
         total_loss = 0.0
         loss_ok = True
-        for start in range(0, len(mini), mb):
-            idx = mini[start : start + mb]
+        mini_mask = traj.loss_mask[mini.to(traj.loss_mask.device)]
+        pending = getattr(self, "_old_pending", None)
+        for idx in self._micro_batches(traj, mini):
             sub = traj.select(idx)
             logp, entropy = self._logprobs(sub, with_entropy=True)
+            if pending is not None and bool(pending[idx].any()):
+                if update_index != 0 or not bool(pending[idx].all()):
+                    raise RuntimeError("old log-probs were deferred for rows outside the first mini-batch")
+                # No optimiser step since sampling: the current log-probs are the old ones (ratio 1).
+                sub.old_logp = logp.detach().masked_fill(~sub.loss_mask, 0.0)
+                traj.old_logp[idx.to(traj.old_logp.device), : sub.old_logp.shape[1]] = sub.old_logp
+                pending[idx] = False
             mask = sub.loss_mask
             finite = torch.isfinite(logp) & torch.isfinite(sub.old_logp)
             if sub.ref_logp is not None:
@@ -341,7 +434,7 @@ class GRPOModule(pl.LightningModule):
                 for fn in self.loss_terms.values():
                     loss = loss + fn(ctx)
                 stats.update(ctx.metrics)
-            weight = len(idx) / len(mini)
+            weight = self._micro_weight(sub, mini_mask)
             if not torch.isfinite(loss):
                 loss_ok = False  # never backpropagate a NaN: it would poison every gradient
                 stats["nonfinite_loss"] = 1.0

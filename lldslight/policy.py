@@ -42,12 +42,15 @@ class LoRAConfig:
         alpha: scaling numerator (the update is scaled by alpha / r).
         dropout: dropout on the adapter input.
         target_modules: module names to adapt, or "all-linear".
+        layers_to_transform: adapt only these decoder layers (None = all). Adapting only the top
+            layers means backward stops there: the cheapest way to train on a CPU.
     """
 
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
     target_modules: Union[str, list[str]] = "all-linear"
+    layers_to_transform: Optional[list[int]] = None
 
 
 @dataclass
@@ -228,7 +231,8 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,
+            target_modules=_lora_targets(model, cfg.lora),
+            layers_to_transform=cfg.lora.layers_to_transform,
             task_type="CAUSAL_LM",
         )
         with _seeded(cfg.init_seed):  # the adapter's random init must not depend on what ran before (ranks agree)
@@ -236,6 +240,14 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+
+def _lora_targets(model: nn.Module, lora: LoRAConfig) -> Union[str, list[str]]:
+    """peft refuses layers_to_transform with "all-linear": spell out the linear layers' names."""
+    if lora.target_modules != "all-linear" or lora.layers_to_transform is None:
+        return lora.target_modules
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
 def _bnb_config(kind: str, compute_dtype: torch.dtype):

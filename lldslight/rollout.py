@@ -16,11 +16,12 @@ context it would see alone.
 from __future__ import annotations
 
 import functools
+import contextlib
 import inspect
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -147,15 +148,13 @@ class RolloutEngine:
         greedy = cfg.greedy if greedy is None else greedy
         was_training = model.training
         model.eval()
-        merged = _merge_adapter(model)
         try:
             from lldslight.distributed import gathered_generate
 
-            # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
-            rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
+            with _lora_folded(model):
+                # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
+                rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
-            if merged:
-                model.unmerge_adapter()
             model.train(was_training)
         return self._to_trajectory(rows, next(model.parameters()).device)
 
@@ -441,15 +440,33 @@ class RolloutEngine:
         return span
 
 
-def _merge_adapter(model: nn.Module) -> bool:
-    """Fold LoRA into the base weights while sampling: one matmul per layer instead of three
-    (the adapter's two small matmuls cost as much as the base one at decode batch sizes)."""
-    if not callable(getattr(model, "merge_adapter", None)) or getattr(model, "_lldslight_no_merge", False):
-        return False
-    if any(getattr(m, "merged", False) for m in model.modules()):
-        return False
-    model.merge_adapter()
-    return True
+@contextlib.contextmanager
+def _lora_folded(model: nn.Module) -> Iterator[None]:
+    """Sample with LoRA folded into the base weights: one matmul per layer instead of three (the
+    adapter's two small matmuls cost as much as the base one at decode batch sizes).
+
+    peft's merge_adapter/unmerge_adapter adds then subtracts the update, which leaves rounding
+    drift in the frozen base (and so in the reference policy) after every rollout. Instead each
+    adapted layer gets a new weight tensor W + delta while the adapter path is disabled, and the
+    original tensor object is put back afterwards: exact, at the cost of one extra copy of the
+    adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
+    """
+    layers = [m for m in model.modules() if callable(getattr(m, "get_delta_weight", None)) and hasattr(m, "base_layer")]
+    if not layers or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
+        yield
+        return
+    originals = []
+    with model.disable_adapter():
+        try:
+            for layer in layers:
+                weight = layer.base_layer.weight
+                delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
+                originals.append((weight, weight.data))
+                weight.data = weight.data + delta.to(weight.dtype)
+            yield
+        finally:
+            for weight, data in originals:
+                weight.data = data
 
 
 class _GrowingLayer(DynamicLayer):

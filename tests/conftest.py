@@ -9,6 +9,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
+PROTOCOL_TRAIN_STEPS = 80
 TINY_DIMS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -65,6 +66,8 @@ def protocol_examples(synth_kb):
     examples = [e for e in load_examples(synth_kb["train_jsonl"]) if e.meta.get("type") == "1hop"][:3]
     for gid, e in enumerate(examples):
         e.group_id = gid
+        # A short prompt keeps the trained fixture cheap; the exact Search-R1 text is tested apart.
+        e.messages = [{"role": "user", "content": f"Search, then answer. Question: {e.question}"}]
     return examples
 
 
@@ -76,22 +79,28 @@ def protocol_model(protocol_examples, bm25):
     from lldslight.policy import load_policy
     from lldslight.rollout import format_observation, prompt_token_ids
 
+    from lldslight.logprobs import token_logprobs
+
     model, tok = load_policy(tiny_policy_config(lora=False))
     torch.manual_seed(0)
-    seqs = []
+    rows = []
     for ex in protocol_examples:
         entity = ex.meta["supporting_titles"][0]
         prompt = prompt_token_ids(tok, ex.messages)
         search = tok(f"<search> {entity} </search>", add_special_tokens=False)["input_ids"]
-        obs = tok(format_observation(bm25.search([entity], 2)[0]), add_special_tokens=False)["input_ids"]
+        obs = tok(format_observation(bm25.search([entity], 1)[0]), add_special_tokens=False)["input_ids"]
         answer = tok(f"<answer> {ex.golden_answers[0]} </answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids = prompt + search + obs + answer
-        target = [-100] * len(prompt) + search + [-100] * len(obs) + answer
-        seqs.append((torch.tensor([ids]), torch.tensor([target])))
+        rows.append((prompt + search + obs + answer, [0] * len(prompt) + [1] * len(search) + [0] * len(obs) + [1] * len(answer)))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
+    target = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(120):
-        loss = sum(model(input_ids=i, labels=t).loss for i, t in seqs)
+    for _ in range(PROTOCOL_TRAIN_STEPS):
+        # log-probs only where there is loss: no full-vocabulary logits for whole sequences
+        logp, _ = token_logprobs(model, ids, attn, target)
+        loss = -logp[target].mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

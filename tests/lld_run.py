@@ -21,7 +21,7 @@ class AlternatingReward:
 
 
 def monitored_run(tmp_path_factory, synth_kb, bm25) -> dict:
-    """Fit the tiny model for 3 steps with LLDMonitor; returns run_dir, monitor, module, trainer."""
+    """Fit the tiny model for 2 steps with LLDMonitor; returns run_dir, monitor, module, trainer."""
     if "run" in _CACHE:
         return _CACHE["run"]
     import lightning.pytorch as pl
@@ -43,7 +43,7 @@ def monitored_run(tmp_path_factory, synth_kb, bm25) -> dict:
         train_files=[str(synth_kb["train"])], val_files=[str(synth_kb["dev"])], batch_size=2, eval_batch_size=3, limit_val=3
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, logger=CSVLogger(str(root), name="tiny"),
+        accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(str(root), name="tiny"),
         callbacks=[SearchRollout(retriever=bm25, reward=AlternatingReward(), rollout=rollout), monitor],
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         num_sanity_val_steps=0, log_every_n_steps=1, limit_val_batches=0,

@@ -100,9 +100,9 @@ class ReplayRollouts(pl.Callback):
             torch.set_rng_state(rec["rng"])
             again = engine.generate(pl_module.policy, rec["examples"])
             if again.extras["sampled_ids"] != rec["traj"].extras["sampled_ids"]:
-                raise AssertionError(f"rank {rank}: sharded sampling differs from unsharded sampling of the same prompts and RNG")
+                raise AssertionError(f"rank {rank}: its sampling differs from one process sampling the same prompts with the same RNG")
         torch.set_rng_state(state)
-        print("[replay] sharded rollouts of every rank reproduced token for token", flush=True)
+        print("[replay] every rank's rollouts reproduced token for token by one unsharded process", flush=True)
 
 
 class KillAtStep(pl.Callback):

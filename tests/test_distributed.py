@@ -71,18 +71,29 @@ COMPARED = ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train
             "train/entropy", "train/clip_frac", "train/reward", "train/zero_var_groups", "train/lr")
 
 
-def run_fit(tmp: Path, name: str, body: str) -> Path:
-    """`lldslight fit` on the tiny config plus ``body``; returns the run's log directory."""
+def run_fit(tmp: Path, name: str, body: str, in_process: bool = False) -> Path:
+    """`lldslight fit` on the tiny config plus ``body``; returns the run's log directory. The
+    two-process runs are subprocesses (Lightning's launcher starts the second rank itself); the
+    one-process replay runs in this process, one thread like the others (saves a start-up)."""
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(body + MODEL)
     save_dir = tmp / name
+    args = ["fit", "--config", "configs/tiny.yaml", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(save_dir)]
+    if in_process:
+        from lldslight.cli import main
+
+        threads, cwd = torch.get_num_threads(), os.getcwd()
+        torch.set_num_threads(1)
+        os.chdir(ROOT)
+        try:
+            assert main(args) == 0
+        finally:
+            torch.set_num_threads(threads)
+            os.chdir(cwd)
+        return save_dir / "tiny" / "version_0"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", "configs/tiny.yaml", "--config", str(cfg),
-           "--trainer.logger.init_args.save_dir", str(save_dir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-m", "lldslight.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
-    if "ReplayRollouts" in body:
-        assert "reproduced token for token" in proc.stdout, proc.stdout[-2000:]
     return save_dir / "tiny" / "version_0"
 
 
@@ -117,16 +128,17 @@ def check_same_training(multi: Path, single: Path, rec: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(tmp_path):
+def test_ddp_two_processes_match_one_process(tmp_path, capfd):
     rec = tmp_path / "rec"
     fmt = dict(rec=rec, retriever=RETRIEVER, rollout=ROLLOUT, steps=STEPS)
     multi = run_fit(tmp_path, "ddp", MULTI.format(strategy="ddp", **fmt))
-    single = run_fit(tmp_path, "single", REPLAY.format(**fmt))
+    single = run_fit(tmp_path, "single", REPLAY.format(**fmt), in_process=True)
+    assert "reproduced token for token" in capfd.readouterr().out
     check_same_training(multi, single, rec)
 
 
 @pytest.mark.slow
-def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp_path):
+def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
     from lldslight.export import main as export_main
@@ -135,7 +147,8 @@ def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp
     rec = tmp_path / "rec"
     fmt = dict(rec=rec, retriever=RETRIEVER, rollout=ROLLOUT, steps=STEPS)
     multi = run_fit(tmp_path, "fsdp", MULTI.format(strategy="{class_path: lldslight.distributed.FSDP2Strategy}", **fmt))
-    single = run_fit(tmp_path, "single", REPLAY.format(**fmt))
+    single = run_fit(tmp_path, "single", REPLAY.format(**fmt), in_process=True)
+    assert "reproduced token for token" in capfd.readouterr().out
     check_same_training(multi, single, rec)
 
     # The FSDP2 checkpoint (one file, assembled on rank 0) loads in one process ...
@@ -155,3 +168,14 @@ def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp
             base = module.policy(input_ids=ids).logits
     torch.testing.assert_close(merged, trained, rtol=1e-4, atol=1e-5)
     assert float((merged - base).abs().max()) > 1e-3, "the export lost the adapter"
+
+
+def test_fsdp1_strategy_is_refused_with_a_pointer_to_fsdp2():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lldslight.distributed import FSDP2Strategy, fsdp2_strategy_check
+
+    with pytest.raises(ValueError, match="FSDP2Strategy"):
+        fsdp2_strategy_check(FSDPStrategy())
+    fsdp2_strategy_check(DDPStrategy())
+    fsdp2_strategy_check(FSDP2Strategy())

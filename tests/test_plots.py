@@ -31,12 +31,12 @@ def test_overlay_of_two_runs_with_phases(run_dir, tmp_path) -> None:
     other = tmp_path / "other" / "version_0"
     other.mkdir(parents=True)
     frame = pd.read_csv(run_dir / "metrics.csv")
-    frame["lld/phase"] = frame["step"].map({0: 0, 1: 2, 2: 3})
-    frame["lld/warning"] = frame["step"].map({0: 0, 1: 0, 2: 1})
+    frame["lld/phase"] = frame["step"].map({0: 2, 1: 3})
+    frame["lld/warning"] = frame["step"].map({0: 0, 1: 1})
     frame.to_csv(other / "metrics.csv", index=False)
     out = plot_runs([run_dir, other], tmp_path / "cmp.png", labels=["GRPO", "GRPO+LLDS"], smooth=2, title="t")
     assert out.read_bytes()[:8] == PNG
-    assert read_run(other).index.tolist() == [0, 1, 2]
+    assert read_run(other).index.tolist() == [0, 1]
 
 
 def test_phase_spans_merge_contiguous_steps() -> None:

@@ -89,3 +89,30 @@ def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path)
     cli.model.configure_model()  # the tiny stand-in builds; full fine-tuning keeps a frozen reference
     assert cli.model.reference is not None
     assert all(p.requires_grad for p in cli.model.policy.parameters())
+
+
+def test_qlora_overlay_composes_with_a_recipe(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+
+    cli_cls, module_cls, datamodule_cls = _cli_class()
+    cli = cli_cls(
+        module_cls,
+        datamodule_cls,
+        args=[
+            "--config", str(ROOT / "configs" / "recipes" / "qwen2.5-7b-instruct-llds.yaml"),
+            "--config", str(ROOT / "configs" / "qlora.yaml"),
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.logger.init_args.save_dir", str(tmp_path),
+        ],
+        run=False,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        auto_configure_optimizers=False,
+        save_config_callback=None,
+    )
+    policy = cli.model.policy_config
+    assert (policy.quantization, policy.dtype, policy.lora.r) == ("nf4", "bfloat16", 64)
+    assert cli.model.hparams.optimizer == "adamw8bit"
+    assert isinstance(cli.trainer.strategy, DDPStrategy)

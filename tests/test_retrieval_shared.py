@@ -66,8 +66,8 @@ def test_bm25_recall_at_3_hotpotqa_500(questions, tmp_path):
 
 
 # Encoding runs at ~25 passages/s on 2 CPU cores (MiniLM is compute-bound at ~130 tokens per
-# paragraph), so the dense check uses the first 30 questions: 300 passages, ~15 s.
-DENSE_QUESTIONS = 30
+# paragraph), so the dense check uses the first 20 questions: ~200 passages, ~10 s quiet.
+DENSE_QUESTIONS = 20
 
 
 @pytest.mark.slow
@@ -80,4 +80,4 @@ def test_dense_recall_at_3_hotpotqa_subset(questions, tmp_path):
     bm25 = recall_at(BM25Retriever(str(corpus), show_progress=False), subset)
     print(f"\nrecall@3 over {len(subset)} questions / {len(retriever)} passages: dense (MiniLM) {dense:.3f}, "
           f"BM25 {bm25:.3f} ({time.perf_counter() - t0:.1f}s)")
-    assert dense >= 0.55  # measured 0.667
+    assert dense >= 0.55  # measured 0.675 (BM25 on the same subset: 0.650)

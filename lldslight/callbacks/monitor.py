@@ -46,6 +46,8 @@ class LLDMonitor(pl.Callback):
             ``lld-warning-step<N>.ckpt`` in the run directory and go on).
         plot: write ``plot_name`` into the run directory at the end of fit.
         plot_name: file name of that figure.
+        print_every_n_steps: print a one-line status (reward, likelihoods, Delta, phase) every N
+            steps (0 = never); handy to follow long runs without a progress bar.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLDMonitor(pl.Callback):
         on_warning: WarningAction = "none",
         plot: bool = True,
         plot_name: str = "lld.png",
+        print_every_n_steps: int = 0,
     ) -> None:
         if on_warning not in ("none", "stop", "checkpoint"):
             raise ValueError(f"LLDMonitor.on_warning must be 'none', 'stop' or 'checkpoint', got {on_warning!r}")
@@ -69,6 +72,7 @@ class LLDMonitor(pl.Callback):
         self.on_warning = on_warning
         self.plot = plot
         self.plot_name = plot_name
+        self.print_every_n_steps = print_every_n_steps
         self.detector = diag.PhaseDetector(phases)
         self.warning_steps: list[int] = []  # trainer steps at which the early warning fired
         self.checkpoints: list[str] = []
@@ -106,6 +110,16 @@ class LLDMonitor(pl.Callback):
         self.last_metrics = metrics
         # Values are already reduced over ranks above: no second reduction.
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(traj), sync_dist=False)
+        if self.print_every_n_steps and (step + 1) % self.print_every_n_steps == 0 and trainer.is_global_zero:
+            print(
+                f"[lldslight] step {step}: reward {step_metrics.get('train/reward', float('nan')):.3f}  "
+                f"logp A>0 {metrics['lld/logp_pos']:.4f}  A<0 {metrics['lld/logp_neg']:.4f}  "
+                f"Delta correct {metrics.get('lld/delta_correct', float('nan')):+.4f}  "
+                f"entropy {step_metrics.get('train/entropy', float('nan')):.3f}  "
+                f"grad {step_metrics.get('train/grad_norm', float('nan')):.3f}  "
+                f"phase {diag.PHASE_NAMES[update.phase]}",
+                flush=True,
+            )
         if update.warning:
             self._warn(trainer, step, update)
 

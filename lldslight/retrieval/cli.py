@@ -22,6 +22,7 @@ def _dense_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hnsw-m", type=int, default=32)
     g.add_argument("--batch-size", type=int, default=64, help="encoder batch size")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads for the encoder (default: torch's)")
 
 
 def _bm25_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def _settings(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     return {"encoder": args.encoder, "pooling": args.pooling, "normalize": args.normalize,
             "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
             "max_seq_length": args.max_seq_length, "index_type": args.index_type, "hnsw_m": args.hnsw_m,
-            "batch_size": args.batch_size, "device": args.device}
+            "batch_size": args.batch_size, "device": args.device, "threads": args.threads}
 
 
 def index_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,7 +104,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
     try:
         if args.index is not None:
-            runtime = {"batch_size": args.batch_size, "device": args.device} if _kind(args.index) == "dense" else {}
+            runtime = ({"batch_size": args.batch_size, "device": args.device, "threads": args.threads}
+                       if _kind(args.index) == "dense" else {})
             retriever: Any = load_index(args.index, corpus=args.corpus, show_progress=not args.quiet, **runtime)
         else:
             retriever = retriever_class(args.retriever)(corpus=args.corpus, show_progress=not args.quiet,

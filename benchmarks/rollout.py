@@ -1,0 +1,249 @@
+"""Multi-turn search rollouts vs plain ``model.generate`` making the same number of new tokens.
+
+    python benchmarks/rollout.py                       # SmolLM2-135M-Instruct fp32, BM25, synthetic KB
+    python benchmarks/rollout.py --json rollout.json --repeats 3
+    python benchmarks/rollout.py --baseline-rollout /path/to/old/rollout.py   # A/B two engines
+
+The engine runs the Search-R1 protocol (up to ``--max-turns`` searches, then an answer) on
+``--prompts`` questions x G; every model token it samples is counted. ``model.generate`` then
+samples exactly as many new tokens per row (min_new_tokens = max_new_tokens) for the same prompts
+x G, with one forward per token, no retrieval and no observations. Runs alternate engine /
+generate and medians are reported: tokens per second for both, and where the engine's time goes
+(prompt prefill, decoding, observation prefill, retrieval).
+
+Two of the engine's choices are measured directly:
+- prefill once per group: the same rollouts with each prompt repeated G times and G=1 (no
+  sharing) vs G rollouts sharing one prefilled prompt;
+- KV cache carried across turns: the observation prefill the engine pays vs re-encoding the whole
+  context at every turn boundary (timed as full forwards over the contexts at those boundaries).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def load_engine_module(path: str | None):
+    if path is None:
+        import lldslight.rollout as mod
+
+        return mod
+    spec = importlib.util.spec_from_file_location("baseline_rollout", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_rollout"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def examples_and_retriever(n: int, work: Path):
+    from lldslight.data.formats import load_examples
+    from lldslight.data.synth import synthesize
+    from lldslight.retrieval import BM25Retriever
+
+    kb = synthesize(work, seed=0, entities=200, dev=max(n, 8), test=8)
+    examples = load_examples(kb["dev_jsonl"] if "dev_jsonl" in kb else kb["train_jsonl"])[:n]
+    for gid, ex in enumerate(examples):
+        ex.group_id = gid
+    return examples, BM25Retriever(corpus=str(kb["corpus"]), show_progress=False)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(mod, model, tok, retriever, examples, cfg_kw, G):
+    engine = mod.RolloutEngine(tok, retriever, lambda text, gold: 0.0, mod.RolloutConfig(**cfg_kw))
+    device = next(model.parameters()).device
+    sync(device)
+    t0 = time.perf_counter()
+    traj = engine.generate(model, examples, group_size=G)
+    sync(device)
+    wall = time.perf_counter() - t0
+    tokens = int(traj.loss_mask.sum())
+    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, **{k: float(v) for k, v in engine.stats.items()}}, traj
+
+
+def run_generate(model, tok, examples, G, new_tokens, temperature):
+    from lldslight.rollout import prompt_token_ids
+
+    device = next(model.parameters()).device
+    prompts = [prompt_token_ids(tok, ex.messages) for ex in examples for _ in range(G)]
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+        )
+    sync(device)
+    wall = time.perf_counter() - t0
+    tokens = (out.shape[1] - width) * out.shape[0]
+    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+
+
+def reencode_cost(model, traj, turns: int) -> float:
+    """Seconds to re-encode each rollout's whole context at every turn boundary, without a cache
+    (what carrying the KV cache across turns avoids): one full forward per boundary, over the
+    context up to the end of that turn's observation."""
+    from lldslight.policy import decoder_and_head
+
+    decoder, _ = decoder_and_head(model)
+    device = traj.input_ids.device
+    obs_ends = []
+    for b in range(len(traj)):
+        obs = (traj.action_id[b] == -1) & traj.attention_mask[b].bool()
+        obs[: int(traj.prompt_len[b])] = False
+        nxt = torch.cat([obs[1:], obs.new_zeros(1)])
+        obs_ends.append(((obs & ~nxt).nonzero()[:, 0] + 1).tolist())  # end (exclusive) of each observation
+    total = 0.0
+    for boundary in range(turns):
+        rows = [b for b in range(len(traj)) if len(obs_ends[b]) > boundary]
+        if not rows:
+            break
+        width = max(obs_ends[b][boundary] for b in rows)
+        # right-padded rows: each row's context is its first obs_ends[b][boundary] tokens (padding
+        # beyond that only costs the re-encode more, so this under-states what is avoided)
+        ids = traj.input_ids[rows, :width]
+        attn = traj.attention_mask[rows, :width].clone()
+        for i, b in enumerate(rows):
+            attn[i, obs_ends[b][boundary]:] = 0
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            decoder(input_ids=ids, attention_mask=attn, use_cache=False)
+        sync(device)
+        total += time.perf_counter() - t0
+    return total
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="per turn")
+    p.add_argument("--max-obs-tokens", type=int, default=160)
+    p.add_argument("--max-response-tokens", type=int, default=400)
+    p.add_argument("--repeats", type=int, default=3, help="alternating engine / generate runs (after a warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--random-init", default=None, help="JSON config overrides: a random model of that shape instead of the demo weights")
+    p.add_argument("--baseline-rollout", default=None, help="another rollout.py to A/B against this one (e.g. an older version)")
+    p.add_argument("--skip-sharing", action="store_true", help="skip the prefill-sharing A/B")
+    p.add_argument("--json", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from lldslight.policy import PolicyConfig, load_policy
+
+    pcfg = PolicyConfig(dtype="auto", lora=None, gradient_checkpointing=False)
+    if args.random_init:
+        pcfg.random_init = json.loads(args.random_init)
+    model, tok = load_policy(pcfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    work = Path(tempfile.mkdtemp(prefix="lldslight_rollout_bench_"))
+    examples, retriever = examples_and_retriever(args.prompts, work)
+    G = args.group_size
+    cfg_kw = dict(
+        group_size=G, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_obs_tokens=args.max_obs_tokens,
+        max_response_tokens=args.max_response_tokens, topk=2, temperature=1.0,
+    )
+    engines = {"engine": load_engine_module(None)}
+    if args.baseline_rollout:
+        engines["baseline"] = load_engine_module(args.baseline_rollout)
+
+    torch.manual_seed(args.seed)
+    run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)  # warm-up
+    results: dict[str, list[dict]] = {k: [] for k in list(engines) + ["generate", "unshared", "reencode"]}
+    for rep in range(args.repeats):
+        torch.manual_seed(args.seed + rep)
+        res, traj = run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)
+        results["engine"].append(res)
+        per_row = max(1, round(res["tokens"] / len(traj)))
+        results["generate"].append(run_generate(model, tok, examples, G, per_row, 1.0))
+        results["reencode"].append({"wall_s": reencode_cost(model, traj, args.max_turns)})
+        if "baseline" in engines:
+            torch.manual_seed(args.seed + rep)
+            results["baseline"].append(run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G)[0])
+        if not args.skip_sharing:
+            torch.manual_seed(args.seed + rep)
+            repeated = [ex for ex in examples for _ in range(G)]
+            results["unshared"].append(run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1)[0])
+        print(f"[rollout] repeat {rep + 1}/{args.repeats}: engine {res['tok_per_s']:.1f} tok/s, generate {results['generate'][-1]['tok_per_s']:.1f} tok/s", flush=True)
+
+    med = lambda runs, key: statistics.median(r[key] for r in runs) if runs and key in runs[0] else float("nan")  # noqa: E731
+    eng, gen = results["engine"], results["generate"]
+    report = {
+        "config": {**cfg_kw, "prompts": args.prompts, "threads": args.threads, "device": str(device), "model": "random-init" if args.random_init else "smollm2-135m-instruct"},
+        "engine_tok_per_s": med(eng, "tok_per_s"),
+        "generate_tok_per_s": med(gen, "tok_per_s"),
+        "tokens": med(eng, "tokens"),
+        "engine_wall_s": med(eng, "wall_s"),
+        "generate_wall_s": med(gen, "wall_s"),
+        "prefill_s": med(eng, "prefill_s"),
+        "decode_s": med(eng, "decode_s"),
+        "observation_s": med(eng, "observation_s"),
+        "retrieval_s": med(eng, "retrieval_s"),
+        "retrieval_calls": med(eng, "retrieval_calls"),
+        "decode_steps": med(eng, "decode_steps"),
+        "compactions": med(eng, "compactions"),
+        "reencode_s": med(results["reencode"], "wall_s"),
+        "runs": results,
+    }
+    report["tok_per_s_ratio"] = report["engine_tok_per_s"] / report["generate_tok_per_s"]
+    if results["unshared"]:
+        report["unshared_prefill_s"] = med(results["unshared"], "prefill_s")
+        report["unshared_tok_per_s"] = med(results["unshared"], "tok_per_s")
+    if results["baseline"]:
+        report["baseline_tok_per_s"] = med(results["baseline"], "tok_per_s")
+        report["baseline_wall_s"] = med(results["baseline"], "wall_s")
+
+    print()
+    print(
+        f"Rollouts: {report['config']['model']} on {device}, {args.prompts} prompts x G={G}, up to {args.max_turns} searches, "
+        f"{args.max_new_tokens} new tokens/turn, BM25 top-2; medians of {args.repeats} alternating runs, {args.threads} threads"
+    )
+    rows = [
+        ("model tokens per run", f"{report['tokens']:.0f}", f"{report['tokens']:.0f}"),
+        ("wall time (s)", f"{report['engine_wall_s']:.2f}", f"{report['generate_wall_s']:.2f}"),
+        ("tokens / s", f"{report['engine_tok_per_s']:.1f}", f"{report['generate_tok_per_s']:.1f}"),
+        ("  prompt prefill (s)", f"{report['prefill_s']:.2f}", "-"),
+        ("  decoding (s)", f"{report['decode_s']:.2f}", "-"),
+        ("  observation prefill (s)", f"{report['observation_s']:.2f}", "-"),
+        ("  retrieval (s)", f"{report['retrieval_s']:.3f}", "-"),
+    ]
+    print(f"| {'':28} | {'multi-turn engine':>18} | {'model.generate':>15} |")
+    print(f"|{'-' * 30}|{'-' * 20}|{'-' * 17}|")
+    for label, a, b in rows:
+        print(f"| {label:28} | {a:>18} | {b:>15} |")
+    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f}")
+    if "unshared_prefill_s" in report:
+        print(f"prefill once per group: {report['prefill_s']:.2f} s vs {report['unshared_prefill_s']:.2f} s unshared (G={G}); "
+              f"whole rollout {report['engine_tok_per_s']:.1f} vs {report['unshared_tok_per_s']:.1f} tok/s")
+    print(f"KV cache across turns: observation prefill {report['observation_s']:.2f} s vs {report['reencode_s']:.2f} s re-encoding contexts")
+    if "baseline_tok_per_s" in report:
+        print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
