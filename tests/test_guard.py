@@ -220,8 +220,12 @@ class NaNLogprobs(GRPOModule):
             logp = logp + poison
         return logp, entropy
 
-    def prepare_rollout(self, traj):
-        traj = super().prepare_rollout(traj)
+    def __init__(self, **kwargs):
+        # Old log-probs must all come from prepare_rollout, where the NaNs are injected.
+        super().__init__(reuse_onpolicy_logp=False, **kwargs)
+
+    def prepare_rollout(self, traj, **kwargs):
+        traj = super().prepare_rollout(traj, **kwargs)
         traj.old_logp[1, 17] = float("nan")
         traj.old_logp[1, 10] = float("-inf")
         return traj
