@@ -13,7 +13,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Optional, Union
 
@@ -296,7 +296,3 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def has_adapter(model: nn.Module) -> bool:
     return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")
-
-
-def policy_summary(cfg: PolicyConfig) -> dict:
-    return asdict(cfg)
