@@ -1,11 +1,13 @@
 """GRPO vs GRPO+LLDS from the same seed and data on the synthetic task: does vanilla GRPO show lazy
 likelihood displacement, and does LLDS prevent it? (PAPER.md §3-4)
 
-    .venv/bin/python benchmarks/collapse.py                 # full run: 15 steps per arm, both arms
+    .venv/bin/python benchmarks/collapse.py --parallel      # full run: 100 steps per arm, arms side by side (~1 h)
     .venv/bin/python benchmarks/collapse.py --smoke         # 3 steps of a tiny model per arm (~2-4 min)
     .venv/bin/python benchmarks/collapse.py --report-only   # redo table and figure from finished runs
 
-Each arm is one `lldslight fit` (a child process) of the recipe composed with the arm's config:
+First a supervised warm start (`lldslight sft`, see WARM_START; cached in OUT/warmstart) that both
+arms start from. Each arm is then one `lldslight fit` (a child process) of the recipe composed with
+the arm's config:
     grpo: RECIPE + configs/grpo.yaml      llds: RECIPE + configs/llds.yaml
 (RECIPE = benchmarks/collapse.yaml, or benchmarks/collapse_smoke.yaml with --smoke), with the same
 seed_everything and data seed. Both record lld/* diagnostics (LLDMonitor is in the recipe).
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -63,25 +66,38 @@ def fit_command(arm: str, recipe: str, out: Path, seed: int, steps: Optional[int
     return cmd + overrides
 
 
-def run_arm(arm: str, cmd: list[str], out: Path) -> float:
+_RUNNING: set[subprocess.Popen] = set()  # every live child, so an interrupt can stop them all
+
+
+def _stop_children(*_) -> None:
+    for proc in list(_RUNNING):
+        proc.kill()
+    sys.exit(143)
+
+
+def run_arm(arm: str, cmd: list[str], out: Path, threads: Optional[int] = None) -> float:
     """Run one arm, its output teed to OUT/<arm>.log; the run's own [lldslight] lines are echoed."""
     log_path = out / f"{arm}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    print(f"\n=== {ARMS[arm][0]}: {' '.join(cmd[1:])}\n    log: {log_path}", flush=True)
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    print(f"\n=== {ARMS.get(arm, (arm,))[0]}: {' '.join(cmd[1:])}\n    log: {log_path}", flush=True)
     t0 = time.perf_counter()
     tail: list[str] = []
     with open(log_path, "w") as log, subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     ) as proc:
+        _RUNNING.add(proc)
         try:
             for line in proc.stdout:
                 log.write(line)
                 log.flush()  # the log is what one watches during an hour-long run
                 tail = (tail + [line])[-40:]
                 if line.startswith("[lldslight]") or "Error" in line:
-                    print("    " + line.rstrip(), flush=True)
+                    print(f"    {arm}| " + line.rstrip(), flush=True)
             code = proc.wait()
         finally:
+            _RUNNING.discard(proc)
             if proc.poll() is None:  # interrupted: never leave an orphaned training run behind
                 proc.kill()
                 proc.wait()
@@ -91,6 +107,44 @@ def run_arm(arm: str, cmd: list[str], out: Path) -> float:
         raise SystemExit(f"collapse: arm {arm!r} failed (exit {code}); full log: {log_path}")
     print(f"    done in {wall / 60:.1f} min", flush=True)
     return wall
+
+
+# The supervised warm start both arms begin from (lldslight/sft.py): SmolLM2-135M-Instruct never
+# writes <search>/<answer> by itself, so without it EM is 0 for every rollout and GRPO has no signal.
+# Gold trajectories of the first 128 training questions, laid out exactly as the recipe's rollouts
+# (one search, top-1 passage, observations cut at 96 tokens); 1 epoch, LoRA r=16 merged after.
+# --over-budget truncate --keep-unanswerable: 2-hop and comparison questions are kept with their first search only, so the
+# model learns to guess where one search cannot tell (measured: trained on answerable 1-hop
+# trajectories alone, it answered deterministically, entropy 0.008 nats/token at T=1, and every
+# GRPO group was all right or all wrong: no signal).
+WARM_START = {
+    "full": ["--limit", "128", "--topk", "1", "--max-obs-tokens", "96", "--max-searches", "1", "--over-budget", "truncate",
+             "--keep-unanswerable", "--epochs", "1", "--lr", "5e-4"],
+    # the smoke recipe's random 2-layer model, every weight trained (LoRA alone cannot move it)
+    "smoke": ["--limit", "16", "--topk", "1", "--max-obs-tokens", "32", "--max-searches", "1", "--over-budget", "truncate",
+              "--keep-unanswerable", "--epochs", "1", "--lr", "3e-3", "--lora-r", "0"],
+}
+
+
+def prepare_warm_start(recipe: str, out: Path, sft_args: list[str]) -> Path:
+    """Synthesise the recipe's knowledge base and run ``lldslight sft`` on it (skipped when OUT/warmstart
+    already holds the same warm start); returns the model directory."""
+    import yaml
+
+    from lldslight.data.synth import synthesize
+
+    config = yaml.safe_load((ROOT / recipe).read_text())
+    synth = dict(config["data"]["synthesize"])
+    synthesize(**synth)
+    kb = ROOT / synth["out_dir"]
+    model_dir = out / "warmstart"
+    policy = config["model"]["policy"]
+    cmd = [sys.executable, "-m", "lldslight.cli", "sft", "--data", str(kb / "train.jsonl"), "--corpus", str(kb / "corpus.jsonl"),
+           "--model", policy["model"], "--out", str(model_dir), *sft_args]
+    if policy.get("random_init"):
+        cmd += ["--random-init", json.dumps(policy["random_init"])]
+    run_arm("warmstart", cmd, out)
+    return model_dir
 
 
 # --------------------------------------------------------------------------- summarising
@@ -217,9 +271,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smooth", type=int, default=None, help="rolling mean in the figure (default 3, 1 with --smoke)")
     parser.add_argument("--report-only", action="store_true", help="only redo the table and figure from OUT")
     parser.add_argument("--force", action="store_true", help="delete an arm's previous output in OUT first")
+    parser.add_argument("--parallel", action="store_true", help="run the arms at the same time, one thread each")
+    parser.add_argument("--no-warm-start", action="store_true", help="start RL from the recipe's model as is (no supervised warm start)")
     args, overrides = parser.parse_known_args(argv)
     # SIGTERM (e.g. a scheduler's kill) unwinds like Ctrl-C, so the running arm is stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _stop_children)
     if overrides and overrides[0] == "--":
         overrides = overrides[1:]
     recipe = args.recipe or RECIPES["smoke" if args.smoke else "full"]
@@ -228,7 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for path in [recipe] + [ARMS[a][1] for a in args.arms] + args.extra_configs:
         if not (ROOT / path).is_file():
             raise SystemExit(f"collapse: config not found: {path} (relative to {ROOT})")
-    meta = {"recipe": recipe, "seed": args.seed, "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides, "arms": {}}
+    warm_start = None if args.no_warm_start else WARM_START["smoke" if args.smoke else "full"]
+    meta = {"recipe": recipe, "warm_start": warm_start, "seed": args.seed, "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides, "arms": {}}
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for arm in args.arms:
@@ -237,10 +294,28 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if not args.force:
                     raise SystemExit(f"collapse: {previous} exists; pass --force to redo it or --report-only to reuse it")
                 shutil.rmtree(previous)
-        for arm in args.arms:
-            cmd = fit_command(arm, recipe, out, args.seed, args.steps, args.extra_configs, overrides)
-            wall = run_arm(arm, cmd, out)
-            meta["arms"][arm] = {"command": " ".join(cmd[1:]), "wall_s": wall}
+        if warm_start is not None:
+            # the warm-started weights replace the recipe's model (and its random init, in the smoke run)
+            model_dir = prepare_warm_start(recipe, out, warm_start)
+            overrides = ["--model.policy.model", str(model_dir), "--model.policy.random_init", "null"] + overrides
+        commands = {arm: fit_command(arm, recipe, out, args.seed, args.steps, args.extra_configs, overrides) for arm in args.arms}
+        if args.parallel:
+            # Side by side, one core each: the arms see the same machine load, and on 2 cores the
+            # pair finishes sooner than one after the other with 2 threads each.
+            pool = ThreadPoolExecutor(len(commands))
+            futures = {arm: pool.submit(run_arm, arm, cmd, out, 1) for arm, cmd in commands.items()}
+            try:
+                while not all(f.done() for f in futures.values()):
+                    time.sleep(1.0)  # a bounded wait, so Ctrl-C and SIGTERM reach this thread
+                walls = {arm: f.result() for arm, f in futures.items()}
+            finally:
+                for proc in list(_RUNNING):
+                    proc.kill()
+                pool.shutdown(wait=False)
+        else:
+            walls = {arm: run_arm(arm, cmd, out) for arm, cmd in commands.items()}
+        for arm, cmd in commands.items():
+            meta["arms"][arm] = {"command": " ".join(cmd[1:]), "wall_s": walls[arm], "parallel": args.parallel}
     report(out, args.arms, args.explode_factor, smooth, meta)
     return 0
 

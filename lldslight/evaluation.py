@@ -37,12 +37,15 @@ def trajectory_records(traj: Trajectory) -> list[dict[str, Any]]:
 
 
 def gather_records(records: list[dict]) -> list[dict]:
-    """All ranks' records, in rank order; the identity without a process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return records
-    gathered: list[list[dict]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
-    torch.distributed.all_gather_object(gathered, records)
-    return [r for part in gathered for r in part]
+    """All ranks' records, in rank order, without the filler rows that evened out the ranks'
+    batch counts (lldslight.data.datamodule.EVAL_PADDING)."""
+    from lldslight.data.datamodule import EVAL_PADDING
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gathered: list[list[dict]] = [None] * torch.distributed.get_world_size()  # type: ignore[list-item]
+        torch.distributed.all_gather_object(gathered, records)
+        records = [r for part in gathered for r in part]
+    return [r for r in records if r["data_source"] != EVAL_PADDING]
 
 
 def summarise(records: list[dict]) -> dict[str, Any]:

@@ -61,7 +61,8 @@ def load_checkpoint(path: Path) -> dict:
 
 def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
     """Write the merged model and its tokenizer to ``out``; return ``out``."""
-    from lldslight.policy import has_adapter, load_policy, resolve_dtype
+    from lldslight.policy import load_policy, resolve_dtype
+    from lldslight.sft import save_merged
 
     ckpt, out = Path(ckpt), Path(out)
     checkpoint = load_checkpoint(ckpt)
@@ -81,21 +82,13 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
             f"{ckpt} does not fit model.policy {policy.model!r}: unexpected {result.unexpected_keys[:5]}, "
             f"missing trainable {missing[:5]}"
         )
-    if has_adapter(model):
-        model = model.merge_and_unload()
-    model = model.to(resolve_dtype(target))
-    model.config.use_cache = True
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "lldslight_export.json").write_text(json.dumps({
+    return save_merged(model, tokenizer, out, resolve_dtype(target), {
         "checkpoint": str(ckpt.resolve()),
         "global_step": checkpoint.get("global_step"),
         "policy": dataclasses.asdict(policy),
         "dtype": target,
         "adapter_merged": policy.lora is not None,
-    }, indent=2))
-    return out
+    })
 
 
 def main(argv: Optional[list[str]] = None) -> int:

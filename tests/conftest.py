@@ -77,30 +77,17 @@ def protocol_model(protocol_examples, bm25):
     questions: search the entity, read the information block, answer. Real weights, real
     tokenizer: the rollout's search, observation and answer paths all run for real."""
     from lldslight.policy import load_policy
-    from lldslight.rollout import format_observation, prompt_token_ids
-
-    from lldslight.logprobs import token_logprobs
+    from lldslight.sft import GoldConfig, build_gold_set, pad_batch, sft_loss
 
     model, tok = load_policy(tiny_policy_config(lora=False))
     torch.manual_seed(0)
-    rows = []
-    for ex in protocol_examples:
-        entity = ex.meta["supporting_titles"][0]
-        prompt = prompt_token_ids(tok, ex.messages)
-        search = tok(f"<search> {entity} </search>", add_special_tokens=False)["input_ids"]
-        obs = tok(format_observation(bm25.search([entity], 1)[0]), add_special_tokens=False)["input_ids"]
-        answer = tok(f"<answer> {ex.golden_answers[0]} </answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append((prompt + search + obs + answer, [0] * len(prompt) + [1] * len(search) + [0] * len(obs) + [1] * len(answer)))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])
-    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
-    target = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool)
+    rows, stats = build_gold_set(protocol_examples, bm25, tok, GoldConfig(topk=1, max_searches=1, end_with_eos=True))
+    assert stats["kept"] == len(protocol_examples), stats
+    batch = pad_batch(rows, tok.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(PROTOCOL_TRAIN_STEPS):
-        # log-probs only where there is loss: no full-vocabulary logits for whole sequences
-        logp, _ = token_logprobs(model, ids, attn, target)
-        loss = -logp[target].mean()
+        loss = sft_loss(model, batch)
         opt.zero_grad()
         loss.backward()
         opt.step()

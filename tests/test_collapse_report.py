@@ -80,3 +80,19 @@ def test_fit_command_composes_recipe_then_arm(collapse, tmp_path) -> None:
     assert configs == ["benchmarks/collapse.yaml", "configs/llds.yaml", "configs/guard.yaml"]
     assert cmd[cmd.index("--seed_everything") + 1] == "7" and cmd[cmd.index("--data.seed") + 1] == "7"
     assert cmd[cmd.index("--trainer.max_steps") + 1] == "12" and cmd[-2:] == ["--model.lr", "1e-4"]
+
+
+def test_smoke_run_warm_starts_then_runs_both_arms_side_by_side(collapse, tmp_path) -> None:
+    """The whole experiment end to end at toy size: knowledge base, supervised warm start, both arms
+    at once (one thread each) from the warm-started weights, table, figure."""
+    out = tmp_path / "smoke"
+    assert collapse.main(["--smoke", "--steps", "1", "--parallel", "--out", str(out)]) == 0
+    warm = json.loads((out / "warmstart" / "lldslight_export.json").read_text())
+    assert warm["warm_start"]["kept"] > 0 and math.isfinite(warm["warm_start"]["final_loss"])
+    result = json.loads((out / "collapse.json").read_text())
+    assert set(result["arms"]) == {"grpo", "llds"} and result["meta"]["warm_start"] == collapse.WARM_START["smoke"]
+    for arm in ("grpo", "llds"):
+        config = (out / arm / "version_0" / "config.yaml").read_text()
+        assert str(out / "warmstart") in config  # the arm trained the warm-started weights
+        assert "random_init: null" in config
+    assert (out / "collapse.png").stat().st_size > 0 and (out / "collapse.md").is_file()

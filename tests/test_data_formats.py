@@ -77,7 +77,7 @@ def test_corpus_round_trip(tmp_path: Path) -> None:
     path = write_corpus_jsonl(rows, tmp_path / "c.jsonl")
     assert list(iter_corpus(path)) == [{"id": "0", "contents": '"Telvara"\nTelvara is a city.'},
                                        {"id": "7", "contents": '"B"\nb'}]
-    with pytest.raises(DataFormatError, match=r"row 0, field 'contents'"):
+    with pytest.raises(DataFormatError, match=r"row 0, field 'contents': missing field"):
         write_corpus_jsonl([{"id": "0"}], tmp_path / "bad.jsonl")
 
 

@@ -18,6 +18,7 @@ from lldslight.data import (
     write_flashrag_jsonl,
     write_searchr1_parquet,
 )
+from lldslight.data.datamodule import EVAL_PADDING
 from lldslight.data.formats import template_messages
 
 
@@ -94,11 +95,23 @@ def test_val_keeps_every_example_and_rank_sharding(files: dict[str, list[str]]) 
         dm.trainer = SimpleNamespace(world_size=2, global_rank=rank)  # what the samplers read
         val.append([i for b in dm.val_dataloader() for i in _ids(b)])
         train.append([i for b in dm.train_dataloader() for i in _ids(b)])
-    assert sorted(val[0] + val[1]) == sorted(f"val{i}" for i in range(11)) and len(val[0]) == 6
+    # 11 examples over 2 ranks: rank 1 gets a filler so both run 2 batches (FSDP2 gathers weights
+    # collectively per rollout batch); the filler's records are dropped when results are gathered.
+    assert len(val[0]) == len(val[1]) == 6 and val[1][-1] == EVAL_PADDING
+    assert sorted(i for i in val[0] + val[1] if i != EVAL_PADDING) == sorted(f"val{i}" for i in range(11))
     assert not set(train[0]) & set(train[1]) and len(train[0]) == len(train[1]) == 3 * (22 // 6)
 
     s = [list(ShardedEvalSampler(5, 2, r)) for r in range(2)]
-    assert s == [[0, 2, 4], [1, 3]] and isinstance(ShardedEvalSampler(5, 2, 0), torch.utils.data.DistributedSampler)
+    assert s == [[0, 2, 4], [1, 3, -1]] and isinstance(ShardedEvalSampler(5, 2, 0), torch.utils.data.DistributedSampler)
+    assert [list(ShardedEvalSampler(5, 2, r, pad=False)) for r in range(2)] == [[0, 2, 4], [1, 3]]
+    assert [len(ShardedEvalSampler(5, 2, r, pad=False)) for r in range(2)] == [3, 2]
+
+
+def test_eval_filler_records_are_dropped() -> None:
+    from lldslight.evaluation import gather_records
+
+    records = [{"data_source": "nq", "em": 1.0}, {"data_source": EVAL_PADDING, "em": 1.0}]
+    assert gather_records(records) == records[:1]
 
 
 def test_resume_state_skips_consumed_batches(files: dict[str, list[str]]) -> None:

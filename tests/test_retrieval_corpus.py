@@ -5,7 +5,7 @@ import os
 import pytest
 
 from lldslight.retrieval import RetrievalError
-from lldslight.retrieval.index import corpus_fingerprint, iter_corpus
+from lldslight.retrieval.index import corpus_fingerprint, iter_corpus_spans
 
 
 def _write(path, rows):
@@ -16,7 +16,7 @@ def _write(path, rows):
 def test_rows_and_byte_spans(tmp_path):
     p = tmp_path / "c.jsonl"
     p.write_text('{"id": "a", "contents": "\\"A\\"\\nalpha"}\n\n{"id": 7, "title": "B", "text": "beta"}\n')
-    rows = list(iter_corpus(p))
+    rows = list(iter_corpus_spans(p))
     assert [(r[2], r[3]) for r in rows] == [("a", '"A"\nalpha'), ("7", '"B"\nbeta')]
     raw = p.read_bytes()
     for start, end, _, _ in rows:  # spans address exactly one line each, blank lines skipped
@@ -38,14 +38,14 @@ def test_malformed_row_names_file_and_line(tmp_path, line, message):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"id": "1", "contents": "ok"}\n' + line + "\n")
     with pytest.raises(RetrievalError) as e:
-        list(iter_corpus(p))
+        list(iter_corpus_spans(p))
     assert f"{p}:2" in str(e.value) and message in str(e.value)
 
 
 def test_missing_corpus_names_path(tmp_path):
     p = tmp_path / "nope.jsonl"
     with pytest.raises(RetrievalError, match=str(p)):
-        list(iter_corpus(p))
+        list(iter_corpus_spans(p))
     with pytest.raises(RetrievalError, match=str(p)):
         corpus_fingerprint(p)
 

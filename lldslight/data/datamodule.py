@@ -16,13 +16,13 @@ the interrupted run would have trained on next. The train loader also declares i
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
 import lightning.pytorch as pl
 import numpy as np
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lldslight.data.example import QAExample
 from lldslight.data.formats import load_examples
@@ -118,22 +118,46 @@ class TrainSampler(DistributedSampler):
         return self.num_batches * self.batch_size
 
 
-class ShardedEvalSampler(DistributedSampler):
-    """Rank r takes examples r, r+W, r+2W, ...: every example exactly once over all ranks, no padding.
+EVAL_PADDING = "__eval_padding__"  # data_source of the filler rows; lldslight.evaluation drops their records
 
-    Ranks may get one example more than others; evaluation code must therefore gather results at
-    epoch end rather than synchronise per step.
+
+class ShardedEvalSampler(DistributedSampler):
+    """Rank r takes examples r, r+W, r+2W, ...: every example exactly once over all ranks.
+
+    With ``pad`` (the default), ranks that hold one example fewer get the index -1 as filler, so
+    every rank runs the same number of evaluation batches: under FSDP2 each rollout batch gathers
+    the sharded weights collectively, and a rank with one batch fewer would leave the others
+    waiting forever. ``EvalSet`` turns -1 into a filler example whose records are dropped.
     """
 
-    def __init__(self, num_examples: int, num_replicas: int = 1, rank: int = 0):
+    def __init__(self, num_examples: int, num_replicas: int = 1, rank: int = 0, pad: bool = True):
         super().__init__(range(num_examples), num_replicas=num_replicas, rank=rank, shuffle=False)
         self.n = num_examples
+        self.pad = pad
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.n, self.num_replicas))
+        mine = list(range(self.rank, self.n, self.num_replicas))
+        if self.pad:
+            mine += [-1] * (-(-self.n // self.num_replicas) - len(mine))
+        return iter(mine)
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.n, self.num_replicas))
+        return -(-self.n // self.num_replicas) if self.pad else len(range(self.rank, self.n, self.num_replicas))
+
+
+class EvalSet(Dataset):
+    """Evaluation examples; index -1 is a filler (a copy of the first example, marked EVAL_PADDING)."""
+
+    def __init__(self, examples: list[QAExample]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> QAExample:
+        if i >= 0:
+            return self.examples[i]
+        return replace(self.examples[0], id=EVAL_PADDING, data_source=EVAL_PADDING, group_id=-1)
 
 
 class ResumableDataLoader(DataLoader):
@@ -291,7 +315,7 @@ class SearchQADataModule(pl.LightningDataModule):
             return []  # Lightning skips the loop
         world_size, rank = self._world()
         return DataLoader(
-            examples, batch_size=self.eval_batch_size, sampler=ShardedEvalSampler(len(examples), world_size, rank),
+            EvalSet(examples), batch_size=self.eval_batch_size, sampler=ShardedEvalSampler(len(examples), world_size, rank),
             drop_last=False, collate_fn=collate_examples,
         )
 

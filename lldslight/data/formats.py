@@ -341,17 +341,45 @@ def write_flashrag_jsonl(examples: Iterable[QAExample], path: str | os.PathLike)
 # ----------------------------------------------------------------------------- corpus
 
 
-def _corpus_row(rec: Any, path: str | os.PathLike, row: int) -> dict:
+class CorpusRecordError(ValueError):
+    """One corpus record is malformed; ``field`` names the offending field (None: the record)."""
+
+    def __init__(self, field: Optional[str], problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+def corpus_record(rec: Any, id_required: bool = True, np_ints: tuple = ()) -> tuple[Optional[str], str]:
+    """(id, contents) of one corpus record: {id, contents} (wiki-18) or {id, title, text} (DPR,
+    HippoRAG). The one validator behind every corpus reader: ``iter_corpus`` here and the index
+    builder's byte-span reader (lldslight.retrieval.index), which wrap its error in their own type.
+    The id may be absent when not ``id_required`` (then None: the caller numbers rows)."""
     if not isinstance(rec, Mapping):
-        raise _err(path, row, None, "not a JSON object")
-    if rec.get("contents") is None and isinstance(rec.get("title"), str) and isinstance(rec.get("text"), str):
-        contents = format_passage(rec["title"], rec["text"])  # {title, text} corpora (HippoRAG, DPR)
-    else:
-        contents = rec.get("contents")
-    if not isinstance(contents, str) or not contents.strip():
-        raise _err(path, row, "contents", f"expected a non-empty string, got {contents!r}")
-    ex_id = _id(rec["id"], path, row, "id") if rec.get("id") is not None else str(row)
-    return {"id": ex_id, "contents": contents}
+        raise CorpusRecordError(None, f"expected a JSON object, got {type(rec).__name__}")
+    pid = rec.get("id")
+    if pid is None:
+        if id_required:
+            raise CorpusRecordError("id", "missing field 'id'")
+    elif isinstance(pid, bool) or not isinstance(pid, (str, int, *np_ints)):
+        raise CorpusRecordError("id", f"field 'id' must be a string or an integer, got {type(pid).__name__}")
+    contents = rec.get("contents")
+    if contents is None:
+        if not (isinstance(rec.get("title"), str) and isinstance(rec.get("text"), str)):
+            raise CorpusRecordError("contents", "missing field 'contents' (or 'title' and 'text')")
+        contents = format_passage(rec["title"], rec["text"])
+    if not isinstance(contents, str):
+        raise CorpusRecordError("contents", f"field 'contents' must be a string, got {type(contents).__name__}")
+    if not contents.strip():
+        raise CorpusRecordError("contents", "field 'contents' is empty")
+    return (None if pid is None else str(pid)), contents
+
+
+def _corpus_row(rec: Any, path: str | os.PathLike, row: int) -> dict:
+    try:
+        pid, contents = corpus_record(rec, id_required=False, np_ints=(np.integer,))
+    except CorpusRecordError as e:
+        raise _err(path, row, e.field, str(e)) from None
+    return {"id": str(row) if pid is None else pid, "contents": contents}
 
 
 def iter_corpus(path: str | os.PathLike) -> Iterator[dict]:

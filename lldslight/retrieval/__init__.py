@@ -4,7 +4,7 @@ from .base import Passage, RetrievalError, Retriever
 from .bm25 import BM25Retriever
 from .dense import DenseRetriever
 from .http import UNAVAILABLE, HttpRetriever
-from .index import build_index, corpus_fingerprint, iter_corpus, load_index
+from .index import build_index, corpus_fingerprint, iter_corpus_spans, load_index
 from .server import ServerHandle, ServerLimits, create_app, serve, start_server, start_server_process
 
 __all__ = [
@@ -17,7 +17,7 @@ __all__ = [
     "UNAVAILABLE",
     "build_index",
     "corpus_fingerprint",
-    "iter_corpus",
+    "iter_corpus_spans",
     "load_index",
     "ServerHandle",
     "ServerLimits",

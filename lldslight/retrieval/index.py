@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from lldslight.data.formats import CorpusRecordError, corpus_record
+
 from .base import Passage, RetrievalError
 
 CONFIG_NAME = "lldslight_index.json"
@@ -66,26 +68,16 @@ def parse_row(line: bytes | str, where: str) -> tuple[str, str]:
         raise RetrievalError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
     except UnicodeDecodeError as e:
         raise RetrievalError(f"{where}: not valid UTF-8 ({e})") from None
-    if not isinstance(row, dict):
-        raise RetrievalError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "id" not in row:
-        raise RetrievalError(f"{where}: missing field 'id'")
-    pid = row["id"]
-    if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-        raise RetrievalError(f"{where}: field 'id' must be a string or an integer, got {type(pid).__name__}")
-    if "contents" in row:
-        contents = row["contents"]
-        if not isinstance(contents, str):
-            raise RetrievalError(f"{where}: field 'contents' must be a string, got {type(contents).__name__}")
-    elif isinstance(row.get("title"), str) and isinstance(row.get("text"), str):
-        contents = f'"{row["title"]}"\n{row["text"]}'
-    else:
-        raise RetrievalError(f"{where}: missing field 'contents' (or 'title' and 'text')")
-    return str(pid), contents
+    try:
+        pid, contents = corpus_record(row)
+    except CorpusRecordError as e:
+        raise RetrievalError(f"{where}: {e}") from None
+    return pid, contents
 
 
-def iter_corpus(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str]]:
-    """Yield (start, end, id, contents) per non-blank line; start/end are byte offsets."""
+def iter_corpus_spans(path: str | os.PathLike) -> Iterator[tuple[int, int, str, str]]:
+    """Yield (start, end, id, contents) per non-blank line of a corpus .jsonl; start/end are byte
+    offsets, saved with an index for random access (lldslight.data.iter_corpus reads rows as dicts)."""
     p = Path(path)
     if not p.is_file():
         raise RetrievalError(f"corpus not found: {p}" if not p.exists() else f"corpus is not a file: {p}")
@@ -431,7 +423,7 @@ class IndexedRetriever:
             spans: list[tuple[int, int]] = []
 
             def rows() -> Iterator[tuple[str, str]]:
-                for start, end, pid, contents in iter_corpus(corpus):
+                for start, end, pid, contents in iter_corpus_spans(corpus):
                     spans.append((start, end))
                     yield pid, contents
 

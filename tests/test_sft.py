@@ -1,0 +1,129 @@
+"""The supervised warm start: gold trajectories laid out as the rollout lays them out, a loss that
+falls, and a saved model that `model.policy.model` loads and that then follows the protocol."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_policy_config
+
+
+def _one_hop(examples):
+    return [e for e in examples if e.meta.get("type") == "1hop"]
+
+
+def test_gold_turns_search_titles_then_answer(synth_kb, bm25):
+    from lldslight.data.formats import load_examples
+    from lldslight.rollout import parse_action
+    from lldslight.sft import GoldConfig, gold_turns
+
+    examples = load_examples(synth_kb["train_jsonl"])
+    one_hop = _one_hop(examples)[0]
+    pieces = gold_turns(one_hop, bm25, GoldConfig(topk=2, max_searches=1))
+    assert [is_model for _, is_model in pieces] == [True, False, True]
+    assert parse_action(pieces[0][0]) == ("search", one_hop.meta["supporting_titles"][0])
+    assert pieces[1][0].lstrip().startswith("<information>Doc 1(Title: ") and "Doc 2(Title: " in pieces[1][0]
+    assert parse_action(pieces[2][0]) == ("answer", one_hop.golden_answers[0])
+
+    two_hop = next(e for e in examples if e.meta.get("type") == "2hop")
+    assert gold_turns(two_hop, bm25, GoldConfig(max_searches=1)) is None
+    pieces = gold_turns(two_hop, bm25, GoldConfig(topk=1, max_searches=2, require_answer_in_context=False))
+    searches = [parse_action(t)[1] for t, is_model in pieces if is_model][:-1]
+    assert searches == two_hop.meta["supporting_titles"]
+
+
+def test_gold_requires_the_answer_in_context(synth_kb, bm25):
+    from lldslight.data.formats import load_examples
+    from lldslight.sft import GoldConfig, gold_turns
+
+    example = _one_hop(load_examples(synth_kb["train_jsonl"]))[0]
+    example.golden_answers = ["Zzyzx Nowhere 9999"]
+    assert gold_turns(example, bm25, GoldConfig(topk=1, max_searches=1)) is None
+    kept = gold_turns(example, bm25, GoldConfig(topk=1, max_searches=1, require_answer_in_context=False))
+    assert kept[-1][0] == "<answer> Zzyzx Nowhere 9999 </answer>"
+
+
+def test_question_is_the_query_without_supporting_titles(synth_kb, bm25):
+    from lldslight.data.formats import load_examples
+    from lldslight.sft import gold_queries
+
+    example = load_examples(synth_kb["train_jsonl"])[0]
+    example.meta.pop("supporting_titles")
+    assert gold_queries(example) == [example.question]
+
+
+def test_encoding_matches_the_rollout_layout(synth_kb, bm25, tiny_policy):
+    from lldslight.data.formats import load_examples
+    from lldslight.rollout import prompt_token_ids
+    from lldslight.sft import GoldConfig, build_gold_set, encode_gold, gold_turns, pad_batch
+
+    _, tok = tiny_policy
+    examples = load_examples(synth_kb["train_jsonl"])[:12]
+    cfg = GoldConfig(topk=3, max_obs_tokens=20, max_searches=1)
+    example = _one_hop(examples)[0]
+    pieces = gold_turns(example, bm25, cfg)
+    ids, mask = encode_gold(example, pieces, tok, cfg)
+    prompt = prompt_token_ids(tok, example.messages)
+    search = tok(pieces[0][0], add_special_tokens=False)["input_ids"]
+    answer = tok(pieces[2][0], add_special_tokens=False)["input_ids"]
+    obs = tok(pieces[1][0], add_special_tokens=False)["input_ids"][:20]
+    assert ids == prompt + search + obs + answer
+    assert mask == [0] * len(prompt) + [1] * len(search) + [0] * len(obs) + [1] * len(answer)
+
+    rows, stats = build_gold_set(examples, bm25, tok, cfg)
+    assert stats["kept"] == len(rows) == stats["examples"] - stats["too_many_searches"] - stats["answer_not_retrieved"]
+    assert stats["too_many_searches"] > 0  # 2-hop and comparison questions need two searches
+    batch = pad_batch(rows, tok.pad_token_id)
+    lengths = torch.tensor([len(r[0]) for r in rows])
+    assert torch.equal(batch["attention_mask"].sum(-1), lengths)
+    assert batch["loss_mask"].sum() == sum(sum(m) for _, m in rows)
+
+
+def test_warm_start_learns_saves_and_loads(synth_kb, bm25, tmp_path):
+    from lldslight.data.formats import load_examples
+    from lldslight.policy import PolicyConfig, load_policy
+    from lldslight.sft import GoldConfig, build_gold_set, pad_batch, sft_loss, warm_start
+
+    examples = _one_hop(load_examples(synth_kb["train_jsonl"]))[:8]
+    # Every weight trains here: a random 2-layer model's logits stay near uniform under LoRA alone
+    # (the tied embedding and the final norm are frozen); the CLI test below covers LoRA merging.
+    policy = tiny_policy_config(lora=False)
+    gold = GoldConfig(topk=1, max_obs_tokens=48, max_searches=1)
+    summary = warm_start(examples, bm25, tmp_path / "ws", policy, gold, epochs=10, batch_size=4, lr=3e-3, accelerator="cpu")
+    assert summary["kept"] == 8 and summary["steps"] == 20
+
+    # The saved directory is a plain HF model (adapter merged) that the policy loader takes as is.
+    meta = json.loads((tmp_path / "ws" / "lldslight_export.json").read_text())
+    assert meta["warm_start"]["kept"] == 8
+    trained, tok = load_policy(PolicyConfig(model=str(tmp_path / "ws"), dtype="float32", lora=None, gradient_checkpointing=False))
+    initial, _ = load_policy(tiny_policy_config(lora=False))
+    batch = pad_batch(build_gold_set(examples, bm25, tok, gold)[0], tok.pad_token_id)
+    with torch.no_grad():
+        before, after = sft_loss(initial, batch).item(), sft_loss(trained, batch).item()
+    assert after < 0.5 * before, (before, after)
+
+
+def test_sft_command_is_idempotent_and_reports_empty_sets(synth_kb, tmp_path, capsys):
+    from conftest import TINY_DIMS
+    from lldslight.sft import main
+
+    out = tmp_path / "ws"
+    args = ["--data", str(synth_kb["train_jsonl"]), "--corpus", str(synth_kb["corpus"]), "--out", str(out),
+            "--random-init", json.dumps(TINY_DIMS), "--topk", "1", "--max-searches", "1", "--lora-r", "4"]
+    with pytest.raises(ValueError, match="none of 0 examples"):
+        main(args + ["--limit", "0"])
+    assert not out.exists()
+
+    assert main(args + ["--limit", "6"]) == 0
+    from safetensors.torch import load_file
+
+    assert not [k for k in load_file(out / "model.safetensors") if "lora" in k]  # the adapter is merged
+    first = (out / "model.safetensors").stat().st_mtime_ns
+    assert json.loads((out / "lldslight_export.json").read_text())["request"]["limit"] == 6
+    assert main(args + ["--limit", "6"]) == 0
+    assert "already holds this warm start" in capsys.readouterr().out
+    assert (out / "model.safetensors").stat().st_mtime_ns == first
+    assert main(args + ["--limit", "5"]) == 0  # a different request trains again
+    assert (out / "model.safetensors").stat().st_mtime_ns != first
