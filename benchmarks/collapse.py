@@ -19,7 +19,8 @@ recipe's dev split); the minimum per-step log-prob of correct (A>0) responses an
 the per-step change of correct responses' log-prob caused by the step's own updates (mean, and the
 number of steps where it was negative = LLD seen directly); steps with a vetoed update
 (train/vetoed_updates > 0) or an exploding gradient (pre-clip grad norm non-finite or above
---explode-factor x the run's median grad norm); the step of the first LLD early warning; the mean
+--explode-factor x the run's median over steps with a positive-advantage response) and the
+largest pre-clip grad norm; the step of the first LLD early warning; the mean
 train reward of the last 5 steps; wall time.
 """
 from __future__ import annotations
@@ -180,14 +181,29 @@ def summarise_run(run_dir: Path, explode_factor: float = 5.0) -> dict:
     out["delta_correct_mean"] = float(delta.mean()) if len(delta) else None
     out["delta_correct_negative_steps"] = int((delta < 0).sum())
     out["delta_correct_measured_steps"] = int(len(delta))
+    # Trend, first vs last third of the run: a slow decay hides in per-step noise at this batch size.
+    third = max(1, len(frame) // 3)
+    for name, column in (("logp_pos", "lld/logp_pos"), ("logp_neg", "lld/logp_neg"), ("entropy", "train/entropy"),
+                         ("delta_correct", "lld/delta_correct"), ("reward", "train/reward")):
+        values = frame[column] if column in frame.columns else frame.iloc[:0, 0]
+        head, tail = _finite(values.iloc[:third]), _finite(values.iloc[-third:])
+        out[f"{name}_first_third"] = sum(head) / len(head) if head else None
+        out[f"{name}_last_third"] = sum(tail) / len(tail) if tail else None
 
     grad = frame["train/grad_norm"]
     grad_max = frame["train/grad_norm_max"] if "train/grad_norm_max" in frame.columns else grad
-    finite = _finite(grad)
+    # The median over steps with a GRPO signal (a response with A>0): where every group tied, the
+    # gradient is 0 (GRPO) or only the small LLDS pull, which would drag the median down and make
+    # every ordinary step look "exploding".
+    signal = frame["lld/n_pos"].fillna(0) > 0 if "lld/n_pos" in frame.columns else grad > 0
+    finite = [g for g in _finite(grad_max[signal]) if g > 0]  # like with like: per-step max over updates
     median = sorted(finite)[len(finite) // 2] if finite else float("nan")
     exploding = [(not math.isfinite(g)) or g > explode_factor * median for g in grad_max.fillna(float("inf"))]
     vetoed = (frame["train/vetoed_updates"].fillna(0) > 0).tolist() if "train/vetoed_updates" in frame.columns else [False] * len(frame)
     out["grad_norm_median"] = median
+    peak = grad_max.dropna()
+    out["grad_norm_peak"] = float(peak.max()) if len(peak) else None
+    out["grad_norm_peak_step"] = int(peak.idxmax()) if len(peak) else None
     out["exploding_steps"] = int(sum(exploding))
     out["vetoed_steps"] = int(sum(vetoed))
     out["vetoed_or_exploding_steps"] = int(sum(e or v for e, v in zip(exploding, vetoed)))
@@ -213,8 +229,8 @@ def table(results: dict[str, dict]) -> str:
     """The comparison as a markdown table, one row per arm."""
     header = (
         "| arm | dev EM before -> after | min log-prob of correct (step) | Delta correct: mean (neg. steps / measured) "
-        "| steps vetoed or exploding | first LLD warning | train reward (last 5) | wall |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| steps vetoed or exploding | peak grad norm (step) | first LLD warning | train reward (last 5) | wall |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for arm, r in results.items():
@@ -224,9 +240,17 @@ def table(results: dict[str, dict]) -> str:
         warning = "none" if r["first_warning_step"] is None else f"step {r['first_warning_step']}"
         rows.append(
             f"| {ARMS[arm][0]} | {_fmt(r['dev_em_before'])} -> {_fmt(r['dev_em_after'])} | {minimum} | {delta} "
-            f"| {r['vetoed_or_exploding_steps']} of {r['steps']} | {warning} | {_fmt(r['train_reward_last5'])} | {wall} |"
+            f"| {r['vetoed_or_exploding_steps']} of {r['steps']} | {_fmt(r.get('grad_norm_peak'), '.2f')} ({r.get('grad_norm_peak_step')}) | {warning} | {_fmt(r['train_reward_last5'])} | {wall} |"
         )
-    return header + "\n".join(rows) + "\n"
+    trend = (
+        "\n| arm | log-prob correct (A>0) | log-prob incorrect (A<0) | Delta correct | entropy | train reward |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    for arm, r in results.items():
+        cells = [f"{_fmt(r.get(f'{n}_first_third'))} -> {_fmt(r.get(f'{n}_last_third'))}"
+                 for n in ("logp_pos", "logp_neg", "delta_correct", "entropy", "reward")]
+        trend += f"| {ARMS[arm][0]} | " + " | ".join(cells) + " |\n"
+    return header + "\n".join(rows) + "\n" + "\nMeans over the first third -> the last third of the training steps:\n" + trend
 
 
 def report(out: Path, arms: list[str], explode_factor: float, smooth: int, meta: dict) -> dict:
@@ -247,7 +271,8 @@ def report(out: Path, arms: list[str], explode_factor: float, smooth: int, meta:
         )
     (out / "collapse.md").write_text(
         "# GRPO vs GRPO+LLDS (benchmarks/collapse.py)\n\n" + text
-        + f"\nExploding = pre-clip grad norm non-finite or > {explode_factor:g}x the run's median. Figure: collapse.png\n"
+        + f"\nExploding = pre-clip grad norm non-finite or > {explode_factor:g}x the run's median over steps with a "
+        "response of positive advantage. Figure: collapse.png\n"
     )
     payload = {"meta": meta, "explode_factor": explode_factor, "arms": results, "figure": str(figure)}
     (out / "collapse.json").write_text(json.dumps(payload, indent=2))
@@ -287,6 +312,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     warm_start = None if args.no_warm_start else WARM_START["smoke" if args.smoke else "full"]
     meta = {"recipe": recipe, "warm_start": warm_start, "seed": args.seed, "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides, "arms": {}}
     out.mkdir(parents=True, exist_ok=True)
+    previous = out / "collapse.json"
+    if args.report_only and previous.is_file():
+        meta = json.loads(previous.read_text()).get("meta", meta)  # keep the commands and wall times of the run
     if not args.report_only:
         for arm in args.arms:
             previous = out / arm

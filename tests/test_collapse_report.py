@@ -47,11 +47,15 @@ def test_summary_numbers(collapse, tmp_path) -> None:
     assert (r["logp_pos_min"], r["logp_pos_min_step"]) == (-0.9, 3)
     assert r["delta_correct_negative_steps"] == 3 and r["delta_correct_measured_steps"] == 5
     assert r["delta_correct_mean"] == pytest.approx((0.01 - 0.02 - 0.03 + 0.0 - 0.01) / 5)
-    # median grad norm 1.05: step 3 (12 > 5.25) and step 5 (NaN max) explode; step 1 was vetoed.
+    # median of the per-step max grad norm 1.1: step 3 (12 > 5.5) and step 5 (NaN max) explode; step 1 was vetoed.
     assert (r["exploding_steps"], r["vetoed_steps"], r["vetoed_or_exploding_steps"]) == (2, 1, 3)
     assert r["first_warning_step"] == 3 and r["steps_in_acceleration"] == 2 and r["final_phase"] == 2
     assert r["train_reward_last5"] == pytest.approx(0.3)
     assert r["signal_steps"] == 5  # steps with an A>0 response (no lld/n_pos column: logp_pos present)
+    assert (r["grad_norm_peak"], r["grad_norm_peak_step"]) == (12.0, 3)
+    # first third = steps 0-1, last third = steps 4-5 (NaNs skipped)
+    assert r["logp_pos_first_third"] == pytest.approx(-0.45) and r["logp_pos_last_third"] == pytest.approx(-0.7)
+    assert r["reward_first_third"] == pytest.approx(0.05) and r["reward_last_third"] == pytest.approx(0.45)
 
 
 def test_a_run_without_learning_signal_is_called_out(collapse, tmp_path) -> None:
@@ -68,7 +72,8 @@ def test_report_writes_table_figure_and_json(collapse, tmp_path) -> None:
         _write_run(tmp_path / arm / "version_0")
     payload = collapse.report(tmp_path, ["grpo", "llds"], 5.0, 1, {"recipe": "x"})
     table = (tmp_path / "collapse.md").read_text()
-    assert "| GRPO+LLDS | 0.125 -> 0.250 | -0.900 (3) | -0.0100 (3 / 5) | 3 of 6 | step 3 |" in table
+    assert "| GRPO+LLDS | 0.125 -> 0.250 | -0.900 (3) | -0.0100 (3 / 5) | 3 of 6 | 12.00 (3) | step 3 |" in table
+    assert "| GRPO | -0.450 -> -0.700 | -1.000 -> -1.000 |" in table
     assert (tmp_path / "collapse.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "collapse.json").read_text())["arms"]["llds"]["first_warning_step"] == 3
     assert not math.isnan(payload["arms"]["grpo"]["grad_norm_median"])
