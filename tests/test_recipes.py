@@ -18,6 +18,23 @@ EXPECTED = {
 }
 
 
+def _instantiate(args: list[str]):
+    """The recipe through the real CLI, built but not run (what `lldslight fit` would construct)."""
+    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+
+    cli_cls, module_cls, datamodule_cls = _cli_class()
+    return cli_cls(
+        module_cls,
+        datamodule_cls,
+        args=args,
+        run=False,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=0,
+        auto_configure_optimizers=False,
+        save_config_callback=None,
+    )
+
+
 def test_every_paper_recipe_is_there():
     assert EXPECTED <= {p.stem for p in RECIPES}
 
@@ -36,7 +53,6 @@ def test_recipe_prints_its_config(recipe, capsys):
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path):
     from lldslight.callbacks import LLDS, SearchRollout
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
     from lldslight.distributed import FSDP2Strategy
     from lldslight.retrieval import HttpRetriever
 
@@ -47,23 +63,13 @@ def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path)
     gpus = raw["trainer"]["devices"] * raw["trainer"]["num_nodes"]
     assert gpus == 4
 
-    cli_cls, module_cls, datamodule_cls = _cli_class()
-    cli = cli_cls(
-        module_cls,
-        datamodule_cls,
-        args=[
-            "--config", str(recipe),
-            "--model.policy.model", "smollm2-135m-instruct",
-            "--model.policy.random_init", json.dumps(TINY_DIMS),
-            "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
-            "--trainer.logger.init_args.save_dir", str(tmp_path),
-        ],
-        run=False,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        auto_configure_optimizers=False,
-        save_config_callback=None,
-    )
+    cli = _instantiate([
+        "--config", str(recipe),
+        "--model.policy.model", "smollm2-135m-instruct",
+        "--model.policy.random_init", json.dumps(TINY_DIMS),
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ])
     hp = cli.model.hparams
     assert (hp.lr, hp.weight_decay, hp.warmup_ratio, hp.grad_clip) == (1e-6, 0.01, 0.285, 1.0)
     assert (hp.kl_coef, hp.kl_estimator, hp.entropy_coef, hp.clip_eps) == (0.001, "k3", 0.0, 0.2)
@@ -94,24 +100,12 @@ def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path)
 def test_qlora_overlay_composes_with_a_recipe(tmp_path):
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
-
-    cli_cls, module_cls, datamodule_cls = _cli_class()
-    cli = cli_cls(
-        module_cls,
-        datamodule_cls,
-        args=[
-            "--config", str(ROOT / "configs" / "recipes" / "qwen2.5-7b-instruct-llds.yaml"),
-            "--config", str(ROOT / "configs" / "qlora.yaml"),
-            "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-            "--trainer.logger.init_args.save_dir", str(tmp_path),
-        ],
-        run=False,
-        trainer_defaults=TRAINER_DEFAULTS,
-        seed_everything_default=0,
-        auto_configure_optimizers=False,
-        save_config_callback=None,
-    )
+    cli = _instantiate([
+        "--config", str(ROOT / "configs" / "recipes" / "qwen2.5-7b-instruct-llds.yaml"),
+        "--config", str(ROOT / "configs" / "qlora.yaml"),
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ])
     policy = cli.model.policy_config
     assert (policy.quantization, policy.dtype, policy.lora.r) == ("nf4", "bfloat16", 64)
     assert cli.model.hparams.optimizer == "adamw8bit"
