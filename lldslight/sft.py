@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,16 +294,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         if done == request:
             print(f"[lldslight] sft: {args.out} already holds this warm start (--force to retrain)")
             return 0
-    examples = [ex for path in args.data for ex in load_examples(path)]
-    if args.limit is not None:
-        examples = examples[: args.limit]
-    if args.corpus:
-        retriever = BM25Retriever(corpus=args.corpus)
-    elif args.index:
-        retriever = load_index(args.index)
-    else:
-        retriever = HttpRetriever(url=args.retriever_url)
-    summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed)
+    from lldslight.data.formats import DataFormatError
+    from lldslight.policy import PolicyLoadError
+    from lldslight.retrieval.base import RetrievalError
+
+    # Bad input (a missing or malformed file, an unreachable retriever, an unusable model, no usable
+    # example) ends with one line naming it, as the other lldslight tools do, not a traceback.
+    try:
+        examples = [ex for path in args.data for ex in load_examples(path)]
+        if args.limit is not None:
+            examples = examples[: args.limit]
+        if args.corpus:
+            retriever = BM25Retriever(corpus=args.corpus)
+        elif args.index:
+            retriever = load_index(args.index)
+        else:
+            retriever = HttpRetriever(url=args.retriever_url)
+        summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed)
+    except (DataFormatError, RetrievalError, PolicyLoadError, FloatingPointError, ValueError) as e:
+        print(f"lldslight sft: error: {e}", file=sys.stderr)
+        return 2
     meta = json.loads(marker.read_text())
     meta["request"] = request
     marker.write_text(json.dumps(meta, indent=2, default=str))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from conftest import tiny_policy_config
@@ -112,9 +111,12 @@ def test_sft_command_is_idempotent_and_reports_empty_sets(synth_kb, tmp_path, ca
     out = tmp_path / "ws"
     args = ["--data", str(synth_kb["train_jsonl"]), "--corpus", str(synth_kb["corpus"]), "--out", str(out),
             "--random-init", json.dumps(TINY_DIMS), "--topk", "1", "--max-searches", "1", "--lora-r", "4"]
-    with pytest.raises(ValueError, match="none of 0 examples"):
-        main(args + ["--limit", "0"])
+    assert main(args + ["--limit", "0"]) == 2
+    assert "lldslight sft: error: sft: none of 0 examples" in capsys.readouterr().err
     assert not out.exists()
+    missing = [a if a != str(synth_kb["train_jsonl"]) else str(tmp_path / "nope.jsonl") for a in args]
+    assert main(missing + ["--limit", "6"]) == 2
+    assert f"{tmp_path / 'nope.jsonl'}: no such file" in capsys.readouterr().err
 
     assert main(args + ["--limit", "6"]) == 0
     from safetensors.torch import load_file
