@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lldslight.data.example import QAExample
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import LoRAConfig, PolicyConfig, has_adapter, load_policy
+from lldslight.policy import LoRAConfig, PolicyConfig, has_adapter, load_policy, resolve_dtype
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import format_observation, prompt_token_ids
@@ -237,8 +237,8 @@ def warm_start(
         "batch_size": batch_size, "lr": lr, "seed": seed, "steps": trainer.global_step,
         "final_loss": final_loss, "seconds": round(seconds, 1), **stats,
     }
-    dtype = torch.float32 if policy.dtype in ("float32", "auto") else getattr(torch, policy.dtype)
-    save_merged(module.policy.cpu(), module.tokenizer, out, dtype, {"warm_start": summary})
+    # The dtype the policy trained in ("auto": bfloat16 on CUDA, float32 on CPU), as load_policy chose it.
+    save_merged(module.policy.cpu(), module.tokenizer, out, resolve_dtype(policy.dtype), {"warm_start": summary})
     print(f"[lldslight] sft: {trainer.global_step} steps in {seconds:.0f} s, final loss {final_loss:.3f} -> {out}", flush=True)
     return summary
 
