@@ -1,8 +1,10 @@
 """Shared fixtures: the repo's paths, a tiny real model, a synthetic knowledge base with BM25."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,6 +15,14 @@ PROTOCOL_TRAIN_STEPS = 80
 TINY_DIMS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script under benchmarks/ (not a package) imported as a module, to test its pieces."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def shared_data(*parts: str) -> Path:

@@ -1,23 +1,19 @@
 """benchmarks/collapse.py's comparison numbers on a hand-written metrics.csv (no training)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def collapse():
-    spec = importlib.util.spec_from_file_location("collapse_bench", ROOT / "benchmarks" / "collapse.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("collapse")
 
 
 def _write_run(run_dir: Path) -> None:
