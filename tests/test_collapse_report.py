@@ -10,7 +10,6 @@ import pytest
 from conftest import load_benchmark
 
 
-
 @pytest.fixture(scope="module")
 def collapse():
     return load_benchmark("collapse")
