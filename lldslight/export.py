@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,8 +60,7 @@ def load_checkpoint(path: Path) -> dict:
 
 def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
     """Write the merged model and its tokenizer to ``out``; return ``out``."""
-    from lldslight.policy import load_policy, resolve_dtype
-    from lldslight.sft import save_merged
+    from lldslight.policy import load_policy, resolve_dtype, save_merged
 
     ckpt, out = Path(ckpt), Path(out)
     checkpoint = load_checkpoint(ckpt)

@@ -296,3 +296,16 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def has_adapter(model: nn.Module) -> bool:
     return callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config")
+
+
+def save_merged(model: nn.Module, tokenizer, out: Path, dtype: torch.dtype, meta: dict) -> Path:
+    """The model as a plain Hugging Face directory: adapter merged, ``meta`` in lldslight_export.json."""
+    if has_adapter(model):
+        model = model.merge_and_unload()
+    model = model.to(dtype)
+    model.config.use_cache = True
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
+    return out

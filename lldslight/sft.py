@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lldslight.data.example import QAExample
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import LoRAConfig, PolicyConfig, has_adapter, load_policy, resolve_dtype
+from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_dtype, save_merged
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import format_observation, prompt_token_ids
@@ -176,19 +176,6 @@ class SFTModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def save_merged(model, tokenizer, out: Path, dtype: torch.dtype, meta: dict) -> Path:
-    """The model as a plain Hugging Face directory: adapter merged, ``meta`` in lldslight_export.json."""
-    if has_adapter(model):
-        model = model.merge_and_unload()
-    model = model.to(dtype)
-    model.config.use_cache = True
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
-    return out
-
-
 def warm_start(
     examples: list[QAExample],
     retriever: Retriever,
@@ -200,8 +187,10 @@ def warm_start(
     lr: float = 5e-4,
     seed: int = 0,
     accelerator: str = "auto",
+    meta: Optional[dict] = None,
 ) -> dict:
-    """Train on gold trajectories and save the merged model to ``out``; returns a summary dict."""
+    """Train on gold trajectories and save the merged model to ``out``, with the summary and
+    ``meta`` in its lldslight_export.json; returns the summary."""
     policy = policy or PolicyConfig(dtype="float32", lora=LoRAConfig(r=16, alpha=32))
     gold = gold or GoldConfig()
     out = Path(out)
@@ -238,7 +227,7 @@ def warm_start(
         "final_loss": final_loss, "seconds": round(seconds, 1), **stats,
     }
     # The dtype the policy trained in ("auto": bfloat16 on CUDA, float32 on CPU), as load_policy chose it.
-    save_merged(module.policy.cpu(), module.tokenizer, out, resolve_dtype(policy.dtype), {"warm_start": summary})
+    save_merged(module.policy.cpu(), module.tokenizer, out, resolve_dtype(policy.dtype), {"warm_start": summary, **(meta or {})})
     print(f"[lldslight] sft: {trainer.global_step} steps in {seconds:.0f} s, final loss {final_loss:.3f} -> {out}", flush=True)
     return summary
 
@@ -310,13 +299,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             retriever = load_index(args.index)
         else:
             retriever = HttpRetriever(url=args.retriever_url)
-        summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed)
+        summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed,
+                             meta={"request": request})
     except (DataFormatError, RetrievalError, PolicyLoadError, FloatingPointError, ValueError) as e:
         print(f"lldslight sft: error: {e}", file=sys.stderr)
         return 2
-    meta = json.loads(marker.read_text())
-    meta["request"] = request
-    marker.write_text(json.dumps(meta, indent=2, default=str))
     return 0 if math.isfinite(summary["final_loss"]) else 1
 
 
