@@ -70,9 +70,13 @@ def fit_command(arm: str, recipe: str, out: Path, seed: int, steps: Optional[int
 _RUNNING: set[subprocess.Popen] = set()  # every live child, so an interrupt can stop them all
 
 
-def _stop_children(*_) -> None:
+def _kill_children() -> None:
     for proc in list(_RUNNING):
         proc.kill()
+
+
+def _stop_children(*_) -> None:
+    _kill_children()
     sys.exit(143)
 
 
@@ -337,8 +341,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     time.sleep(1.0)  # a bounded wait, so Ctrl-C and SIGTERM reach this thread
                 walls = {arm: f.result() for arm, f in futures.items()}
             finally:
-                for proc in list(_RUNNING):
-                    proc.kill()
+                _kill_children()
                 pool.shutdown(wait=False)
         else:
             walls = {arm: run_arm(arm, cmd, out) for arm, cmd in commands.items()}
