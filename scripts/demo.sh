@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bin="${LLDSLIGHT_VENV:-.venv}/bin"
-# The same knowledge base configs/demo.yaml synthesises (skipped when already there).
-"$bin/lldslight" data synth --out .lldslight/demo_data --seed 0 --entities 200 --dev 24 --test 64
+# The knowledge base configs/demo.yaml trains on (its data.synthesize, out_dir .lldslight/demo_data);
+# skipped when already there.
+"$bin/lldslight" data synth --config configs/demo.yaml
 # By itself the 135M model never writes <search>/<answer>: EM reward 0 everywhere, no GRPO signal.
 # ~2 min of supervised warm start on 1-search gold trajectories, laid out as the demo's rollouts
 # (top-2 passages, observations cut at 120 tokens); questions that need two searches are kept with

@@ -95,3 +95,14 @@ def test_cli_synth_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert data_main(["inspect", str(tmp_path / "corpus.jsonl")]) == 0
     assert "corpus, 40 passages" in capsys.readouterr().out
     assert data_main(["inspect", str(tmp_path / "missing.parquet")]) == 2
+
+
+def test_cli_synth_from_a_fit_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fit.yaml"
+    config.write_text(f"data:\n  synthesize: {{out_dir: {tmp_path / 'kb'}, seed: 2, entities: 40, dev: 6, test: 6}}\n")
+    assert data_main(["synth", "--config", str(config)]) == 0
+    manifest = json.loads((tmp_path / "kb" / "manifest.json").read_text())
+    assert manifest["args"] == {"seed": 2, "entities": 40, "comparisons": 40, "dev": 6, "test": 6}
+    (tmp_path / "bad.yaml").write_text("data: {batch_size: 2}\n")
+    assert data_main(["synth", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "no data.synthesize mapping" in capsys.readouterr().err

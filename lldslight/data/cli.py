@@ -17,15 +17,33 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lldslight data", description="Data tools.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("synth", help="generate the synthetic knowledge base (idempotent)")
-    s.add_argument("--out", required=True, help="output directory")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--entities", type=int, default=200)
-    s.add_argument("--dev", type=int, default=64, help="dev questions")
-    s.add_argument("--test", type=int, default=64, help="test questions")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="output directory")
+    where.add_argument("--config", help="an lldslight fit YAML: use its data.synthesize (out_dir, seed, ...), "
+                                        "so a script makes the knowledge base that config trains on")
+    s.add_argument("--seed", type=int, default=None, help="default 0")
+    s.add_argument("--entities", type=int, default=None, help="default 200")
+    s.add_argument("--dev", type=int, default=None, help="dev questions (default 64)")
+    s.add_argument("--test", type=int, default=None, help="test questions (default 64)")
     i = sub.add_parser("inspect", help="counts per data_source and 3 examples of a question or corpus file")
     i.add_argument("file", help=".parquet, .jsonl, .json, or a saved HF dataset directory")
     i.add_argument("--split", default=None, help="split of a saved HF DatasetDict")
     return p
+
+
+def _synth_args_from_config(path: str) -> dict:
+    import yaml
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"malformed YAML in {path}: {e}") from None
+    synth = ((config or {}).get("data") or {}).get("synthesize") if isinstance(config, dict) else None
+    if not isinstance(synth, dict) or "out_dir" not in synth:
+        raise ValueError(f"{path}: no data.synthesize mapping with an out_dir")
+    return dict(synth)
 
 
 def _inspect(path: str, split: Optional[str]) -> int:
@@ -58,9 +76,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "synth":
-            paths = synthesize(args.out, seed=args.seed, entities=args.entities, dev=args.dev, test=args.test)
+            kwargs = _synth_args_from_config(args.config) if args.config else {"out_dir": args.out}
+            kwargs.update({k: v for k in ("seed", "entities", "dev", "test") if (v := getattr(args, k)) is not None})
+            paths = synthesize(**kwargs)
             manifest = json.loads(Path(paths["manifest"]).read_text())
-            print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}, indent=2))
+            print(json.dumps({"out": str(kwargs["out_dir"]), "counts": manifest["counts"]}, indent=2))
             return 0
         return _inspect(args.file, args.split)
     except (DataFormatError, FileNotFoundError, ValueError) as e:
