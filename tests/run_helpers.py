@@ -106,25 +106,10 @@ class RecordRollouts(pl.Callback):
 
 def interleave(parts: list[Trajectory], chunks: int) -> Trajectory:
     """One trajectory from several ranks' ones: chunk c of every part, then chunk c + 1, ..."""
-    width = max(p.input_ids.shape[1] for p in parts)
-    pieces: list[tuple[Trajectory, list[int]]] = []
-    for c in range(chunks):
-        for p in parts:
-            idx = torch.tensor_split(torch.arange(len(p)), chunks)[c].tolist()
-            pieces.append((p, idx))
-    out = {}
-    for name in ("input_ids", "attention_mask", "loss_mask", "action_id", "answer_mask", "sample_logp"):
-        rows = []
-        for p, idx in pieces:
-            t = getattr(p, name)[idx]
-            pad = {"action_id": -1}.get(name, 0)
-            rows.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
-        out[name] = torch.cat(rows)
-    for name in ("prompt_len", "group_id", "reward", "num_searches", "num_invalid", "num_actions", "em", "f1"):
-        out[name] = torch.cat([getattr(p, name)[idx] for p, idx in pieces])
-    for name in ("finish_reason", "data_source", "responses", "questions", "golden_answers"):
-        out[name] = [getattr(p, name)[i] for p, idx in pieces for i in idx]
-    return Trajectory(**out)
+    pieces = [p.select(torch.tensor_split(torch.arange(len(p)), chunks)[c]) for c in range(chunks) for p in parts]
+    out = Trajectory.concat(pieces)
+    out.advantage = out.old_logp = out.ref_logp = None  # the replaying module computes its own
+    return out
 
 
 class ReplayRollouts(pl.Callback):
