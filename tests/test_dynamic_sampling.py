@@ -155,7 +155,7 @@ def test_mixed_groups_on_hand_built_rewards() -> None:
 TWO_RANKS = """
 trainer:
   devices: 2
-  strategy: ddp
+  strategy: {strategy}
   max_steps: 3
   callbacks:
     - class_path: run_helpers.CountGenerate
@@ -174,12 +174,13 @@ model:
 
 
 @pytest.mark.slow
-def test_two_ranks_stay_in_step(tmp_path) -> None:
-    """DDP on 2 processes with configs/dynamic_sampling.yaml composed on top: every step, both ranks
-    call generate equally often and train on equally many rows, although they fill at different
-    rounds."""
+@pytest.mark.parametrize("strategy", ["ddp", "{class_path: lldslight.distributed.FSDP2Strategy}"], ids=["ddp", "fsdp2"])
+def test_two_ranks_stay_in_step(tmp_path, strategy) -> None:
+    """2 processes (gloo) with configs/dynamic_sampling.yaml composed on top: every step, both ranks
+    call generate equally often (under FSDP2 each call gathers the sharded weights collectively: a
+    mismatch would hang) and train on equally many rows, although they fill at different rounds."""
     cfg = tmp_path / "two.yaml"
-    cfg.write_text(TWO_RANKS.format(out=tmp_path / "calls"))
+    cfg.write_text(TWO_RANKS.format(out=tmp_path / "calls", strategy=strategy))
     args = ["fit", "--config", "configs/tiny.yaml", "--config", str(cfg), "--config", "configs/dynamic_sampling.yaml",
             "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1")
