@@ -142,6 +142,23 @@ def test_refill_stream_is_deterministic_distinct_and_resumes(synth_kb) -> None:
         dm().refill_prompts(11)
 
 
+def test_a_group_of_one_is_refused_before_training(synth_kb, bm25) -> None:
+    import lightning.pytorch as pl
+
+    from lldslight.callbacks import DynamicSampling, SearchRollout
+    from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.module import GRPOModule
+    from lldslight.rollout import RolloutConfig
+
+    rollout = SearchRollout(retriever=bm25, rollout=RolloutConfig(group_size=1, max_new_tokens=4))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, callbacks=[rollout, DynamicSampling()],
+                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0)
+    data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=BATCH)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        trainer.fit(GRPOModule(policy=tiny_policy_config()), datamodule=data)
+    assert rollout._train_engine is None  # refused before any sampling
+
+
 def test_mixed_groups_on_hand_built_rewards() -> None:
     from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, mixed_groups
 

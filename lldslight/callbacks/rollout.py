@@ -79,6 +79,19 @@ class SearchRollout(pl.Callback):
                 "the first update is then not on-policy (ratio != 1); set them equal"
             )
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Here, not in setup: the DynamicSampling callback turns the option on in its own setup.
+        if not self.dynamic_sampling.enabled:
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "refill_prompts"):
+            raise ValueError(
+                "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
+                f"to draw further prompts; got {type(datamodule).__name__}"
+            )
+        if self.config.group_size < 2:
+            raise ValueError(f"SearchRollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one never has mixed rewards), got {self.config.group_size}")
+
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
         t0 = time.perf_counter()
@@ -95,13 +108,6 @@ class SearchRollout(pl.Callback):
         """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the
         retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
         datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "refill_prompts"):
-            raise ValueError(
-                "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
-                f"to draw further prompts; got {type(datamodule).__name__}"
-            )
-        if self.config.group_size < 2:
-            raise ValueError(f"SearchRollout.dynamic_sampling needs rollout.group_size >= 2, got {self.config.group_size}")
         retrieval = [0.0]
 
         def generate(prompts):
