@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+# On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
+# 4-bit inference path is missing; load_policy keeps that path off, so the warning is noise here.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 DEMO_MODELS = {
     # name -> (PyPI package, GGUF file inside it)
