@@ -84,8 +84,11 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-queries", type=int, default=512, help="queries per request")
     p.add_argument("--max-topk", type=int, default=100)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--default-topk", type=int, default=3, help="topk when a request has none")
-    p.add_argument("--max-batch", type=int, default=256, help="queries merged into one search")
+    p.add_argument("--default-topk", type=int, default=3, help="topk when a request has none, null or 0")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408 beyond)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most queries in one search call; bigger requests are served in chunks, round-robin "
+                        "with other requests (default: %(default)s)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait for concurrent requests to join a batch")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -109,7 +112,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
             retriever = retriever_class(args.retriever, indexed=True)(corpus=args.corpus, show_progress=not args.quiet,
                                                         **_settings(args, args.retriever))
         limits = ServerLimits(max_queries=args.max_queries, max_topk=args.max_topk,
-                              max_body_bytes=args.max_body_bytes, default_topk=args.default_topk)
+                              max_body_bytes=args.max_body_bytes, default_topk=args.default_topk,
+                              body_timeout_s=args.body_timeout)
 
         def ready(url: str) -> None:
             n = len(retriever) if hasattr(retriever, "__len__") else "?"
