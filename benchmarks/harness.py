@@ -224,12 +224,42 @@ class Policy:
         return asdict(self)
 
 
+def metered(fn: Callable[[], Any]) -> tuple[Any, LoadRecord]:
+    """``fn()`` under a LoadMeter: (its value, the load around it)."""
+    with LoadMeter() as m:
+        value = fn()
+    return value, m.record  # type: ignore[return-value]
+
+
+def until_quiet(run: Callable[[], tuple[Any, LoadRecord]], policy: Policy, log: Callable[[str], None], tag: str,
+                describe: Callable[[Any], str] = lambda value: "") -> list[tuple[Any, LoadRecord, bool]]:
+    """``run()`` once, then again while it was busy (``policy.retries`` times at most, waiting up to
+    ``policy.settle_s`` for quiet first) when ``policy.repeat``. Every attempt, the last one kept."""
+    out = []
+    for k in range(1 + (policy.retries if policy.repeat else 0)):
+        value, load = run()
+        busy = load.busy(policy.quiet_threshold, policy.max_load)
+        out.append((value, load, busy))
+        note = describe(value)
+        log(f"[harness] {tag}: {note}{' ' if note else ''}other processes {load.other_cores:.2f} cores, "
+            f"load {load.loadavg_start[0]:.2f}" + (f" BUSY ({', '.join(f'{n} {s:.1f}s' for n, s in load.top_others)})" if busy else ""))
+        if not busy or not policy.repeat or k == policy.retries:
+            break
+        if policy.settle_s > 0 and not wait_for_quiet(policy.quiet_threshold, policy.settle_s):
+            log(f"[harness] still busy after {policy.settle_s:.0f} s; repeating anyway")
+    return out
+
+
+def _stderr(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
+
+
 def alternate(
     sides: list[str],
     run: Callable[[str], tuple[dict[str, Any], LoadRecord]],
     rounds: int,
     policy: Policy = Policy(),
-    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    log: Callable[[str], None] = _stderr,
     describe: Callable[[str, dict[str, Any]], str] = lambda side, m: "",
 ) -> list[Attempt]:
     """Run every side once per round, in the same order each round (A B A B ...). ``run(side)``
@@ -240,19 +270,9 @@ def alternate(
     attempts: list[Attempt] = []
     for r in range(rounds):
         for side in sides:
-            for k in range(1 + (policy.retries if policy.repeat else 0)):
-                metrics, load = run(side)
-                busy = load.busy(policy.quiet_threshold, policy.max_load)
-                attempts.append(Attempt(side, r, k, metrics, load, busy))
-                note = describe(side, metrics)
-                log(f"[harness] round {r + 1}/{rounds} {side}: {note}{' ' if note else ''}other processes "
-                    f"{load.other_cores:.2f} cores, load {load.loadavg_start[0]:.2f}"
-                    + (f" BUSY ({', '.join(f'{n} {s:.1f}s' for n, s in load.top_others)})" if busy else ""))
-                if not busy or not policy.repeat or k == policy.retries:
-                    break
-                if policy.settle_s > 0 and not wait_for_quiet(policy.quiet_threshold, policy.settle_s):
-                    log(f"[harness] still busy after {policy.settle_s:.0f} s; repeating anyway")
-            attempts[-1].kept = True
+            tries = until_quiet(lambda: run(side), policy, log, f"round {r + 1}/{rounds} {side}", lambda m: describe(side, m))
+            for k, (metrics, load, busy) in enumerate(tries):
+                attempts.append(Attempt(side, r, k, metrics, load, busy, kept=k == len(tries) - 1))
     return attempts
 
 
