@@ -130,9 +130,8 @@ class DynamicSampling(pl.Callback):
         self.config = DynamicSamplingConfig(enabled=True, max_rounds=max_rounds)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lldslight.callbacks.rollout import SearchRollout
-
-        rollouts = [cb for cb in trainer.callbacks if isinstance(cb, SearchRollout)]
+        # Found by its option, not its class: callbacks/rollout.py imports this module (no import cycle).
+        rollouts = [cb for cb in trainer.callbacks if isinstance(getattr(cb, "dynamic_sampling", None), DynamicSamplingConfig)]
         if len(rollouts) != 1:
             raise ValueError(f"DynamicSampling needs exactly one SearchRollout in trainer.callbacks, found {len(rollouts)}")
         current = rollouts[0].dynamic_sampling
