@@ -158,10 +158,11 @@ def test_packed_micro_batches_give_the_whole_batch_gradient(fixed_rollout, aggre
 
 def test_token_packing_groups_rows_by_length(fixed_rollout):
     from lldslight.module import GRPOModule
+    from lldslight.update import micro_batches
 
     module = GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=100)
     rows = torch.arange(len(fixed_rollout))
-    batches = module._micro_batches(fixed_rollout, rows)
+    batches = micro_batches(module, fixed_rollout, rows)
     lengths = fixed_rollout.attention_mask.sum(-1)
     assert sorted(torch.cat(batches).tolist()) == rows.tolist()  # every row exactly once
     for b in batches:
