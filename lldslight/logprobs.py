@@ -20,7 +20,8 @@ def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: 
     "loss" (returned, with graph). A "logged" entropy (no graph) goes into ``logged`` on the first
     call only: under activation checkpointing the backward calls this again to rebuild the chunk's
     activations, and a diagnostic needs no rebuilding."""
-    logits = head(hidden).float()  # [n, V]
+    logits = head(hidden)  # [n, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16/fp16 upcast)
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
@@ -47,7 +48,8 @@ def token_logprobs(
 
     ``entropy_grad=False``: the entropy is a detached diagnostic (no entropy bonus in the loss).
 
-    Returns two float32 [B, T] tensors, zero where ``mask`` is off (including t = 0).
+    Returns two [B, T] tensors in float32 (float64 for a float64 model), zero where ``mask`` is off
+    (including t = 0).
     """
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -68,9 +70,10 @@ def token_logprobs(
             lp, ent = _chunk_stats(head, h, y, temperature, mode, logged)
         logp_parts.append(lp)
         entropy_parts.append(ent if ent is not None else logged[0] if logged else torch.zeros_like(lp))
-    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    entropy = torch.zeros_like(logp)
-    if logp_parts:
-        logp = logp.index_put((rows, cols), torch.cat(logp_parts))
-        entropy = entropy.index_put((rows, cols), torch.cat(entropy_parts))
+    if not logp_parts:
+        logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        return logp, torch.zeros_like(logp)
+    values = torch.cat(logp_parts)
+    logp = values.new_zeros(input_ids.shape).index_put((rows, cols), values)
+    entropy = values.new_zeros(input_ids.shape).index_put((rows, cols), torch.cat(entropy_parts))
     return logp, entropy

@@ -196,6 +196,7 @@ def batch_logprobs(module: "GRPOModule", traj: Trajectory, reference: bool = Fal
     rows = torch.arange(len(traj)) if rows is None else rows
     for idx in micro_batches(module, traj, rows):
         logp, _ = module.logprobs(traj.select(idx), reference=reference)
+        out = out.to(logp.dtype)  # float64 for a float64 model (tests), else a no-op
         out[idx.to(out.device), : logp.shape[1]] = logp
     return out
 
