@@ -143,6 +143,7 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
     """One step of the real module on ``rows`` of the setup's rollout batch; returns the probe."""
     import warnings
 
+    import lldslight.module
     from lldslight.callbacks import LLDS
     from lldslight.module import GRPOModule
     from lldslight.policy import load_policy
@@ -152,18 +153,24 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
     kw.update(module_kw)
     llds = LLDS(coef=0.2, skip_on_policy=False, answer_masking="official", normaliser=kw.pop("llds_normaliser", "preserving"))
     module = GRPOModule(policy=policy_config(), **kw)
-    torch.manual_seed(0)
-    module.policy, module.tokenizer = load_policy(policy_config())
-    module.policy.load_state_dict(setup["state"])
-    module.policy.double()
+
+    def load_setup_policy(config):  # configure_model's loader: the setup's weights, then sharding as usual
+        model, tokenizer = load_policy(config)
+        model.double().load_state_dict(setup["state"])
+        return model, tokenizer
+
     probe = Probe()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Feed(setup["traj"], rows), probe, llds],
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*updates_per_rollout=1.*")
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([0] * devices))
+    lldslight.module.load_policy = load_setup_policy
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*updates_per_rollout=1.*")
+            trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([0] * devices))
+    finally:
+        lldslight.module.load_policy = load_policy
     return probe
 
 
