@@ -152,3 +152,29 @@ def test_two_ranks_give_the_one_rank_gradient_with_one_reduction(setup_file, set
     for r in ranks:
         assert r["events"], "no gradient collective was seen: the count would be vacuous"
         assert set(r["events"]) == {r["micro_batches"]}, (strategy, r["events"], r["micro_batches"])
+
+
+def test_logged_lr_is_the_one_the_updates_used(tmp_path):
+    """train/lr of step s is the rate AdamW stepped with in s's updates (warm-up 1/4, 2/4, 3/4 of
+    lr), not the next step's (the scheduler steps after the updates)."""
+    import csv
+
+    import lightning.pytorch as pl
+
+    from lldslight.module import GRPOModule
+    from lldslight.policy import load_policy
+    from test_guard import FeedRollouts, small_config
+
+    used: list[float] = []
+    module = GRPOModule(policy=small_config(), lr=0.01, warmup_steps=4, updates_per_rollout=2, kl_coef=0.0)
+    module.policy, module.tokenizer = load_policy(small_config())
+    module.add_step_gate("lr", lambda ctx: used.append(ctx.module.optimizers(use_pl_optimizer=False).param_groups[0]["lr"]) or True)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=pl.loggers.CSVLogger(tmp_path, name="lr"), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, callbacks=[FeedRollouts()],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(range(8)), batch_size=1, collate_fn=lambda b: b))
+    rows = [r for r in csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()) if r.get("train/lr")]
+    logged = [float(r["train/lr"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
+    assert used == pytest.approx([0.0025, 0.0025, 0.005, 0.005, 0.0075, 0.0075])  # two updates per step
+    assert logged == pytest.approx([0.0025, 0.005, 0.0075])

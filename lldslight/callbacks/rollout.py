@@ -6,7 +6,6 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from lldslight import evaluation
@@ -113,10 +112,9 @@ class SearchRollout(pl.Callback):
             return
         if trainer.global_step > 0:
             # A resumed run: its weights are trained, so this would not be a "before" number.
-            rank_zero_info(
-                f"[lldslight] eval_before_fit skipped: resuming at step {trainer.global_step} "
-                "(the before-training evaluation is in the first run's logs)"
-            )
+            if trainer.is_global_zero:
+                print(f"[lldslight] eval_before_fit skipped: resuming at step {trainer.global_step} "
+                      "(the before-training evaluation is in the first run's logs)", flush=True)
             return
         self._record(trainer, pl_module, "before")
 
