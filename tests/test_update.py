@@ -178,3 +178,18 @@ def test_logged_lr_is_the_one_the_updates_used(tmp_path):
     logged = [float(r["train/lr"]) for r in sorted(rows, key=lambda r: int(r["step"]))]
     assert used == pytest.approx([0.0025, 0.0025, 0.005, 0.005, 0.0075, 0.0075])  # two updates per step
     assert logged == pytest.approx([0.0025, 0.005, 0.0075])
+
+
+def test_select_slices_per_row_extras(setup):
+    traj = setup["traj"]
+    traj = traj.select(list(range(len(traj))))  # a copy
+    B, T = traj.input_ids.shape
+    traj.extras = {"sampled_ids": [[b] * b for b in range(B)], "score": torch.arange(B) * 10, "per_token": torch.ones(B, T),
+                   "meta": {"run": 1}}
+    sub = traj.select([5, 2])
+    assert sub.extras["sampled_ids"] == [[5] * 5, [2] * 2]
+    assert sub.extras["score"].tolist() == [50, 20]
+    width = int(traj.attention_mask[[5, 2]].sum(-1).max())
+    assert sub.extras["per_token"].shape == (2, width) == sub.input_ids.shape
+    assert sub.extras["meta"] == {"run": 1}  # not per row: kept as is
+    assert traj.extras["score"].shape == (B,)  # the original is untouched
