@@ -115,8 +115,11 @@ def test_sigkilled_fit_resumes_exactly(tmp_path):
     assert all("lora_" in k for k in a["state_dict"]), "checkpoints should hold only the trainable adapter"
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
-    # The first run evaluated before training; the resumed one did not (and said so).
+    # The first run evaluated before training, through the same path as `lldslight validate`
+    # (gathered records, summary, report files); the resumed one did not (and said so).
     first = (run_dir / "tiny" / "version_0" / "metrics.csv").read_text()
-    assert "val_before/em" in first.splitlines()[0]
+    assert "val_before/em" in first.splitlines()[0] and "val_before/em/" in first.splitlines()[0]
+    report = run_dir / "tiny" / "version_0" / "val_before_step0.md"
+    assert report.is_file() and "| data_source | n | EM |" in report.read_text()
     assert "val_before" not in (run_dir / "tiny" / "version_1" / "metrics.csv").read_text()
     assert "eval_before_fit skipped: resuming at step 2" in resumed.stdout
