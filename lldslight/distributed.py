@@ -183,6 +183,24 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: torch.device) -> dict[str, float]:
+    """``values`` reduced over ranks by their kind ("sum", "max" or "mean"): one all-reduce per kind.
+    Every rank must pass the same keys."""
+    if world_size() == 1:
+        return dict(values)
+    out = dict(values)
+    for kind, op in (("sum", "SUM"), ("mean", "SUM"), ("max", "MAX")):
+        keys = sorted(k for k in values if kinds[k] == kind)
+        if not keys:
+            continue
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
+        if kind == "mean":
+            t = t / world_size()
+        out.update(zip(keys, t.tolist()))
+    return out
+
+
 @contextlib.contextmanager
 def gradient_sync(pl_module: Any, enabled: bool) -> Iterator[None]:
     """Backward passes in this block reduce gradients across ranks only when ``enabled``; otherwise

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -26,7 +25,7 @@ from lldslight import evaluation
 from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
-from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, shard_policy, through_root
+from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, reduce_over_ranks, shard_policy, through_root
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy
 from lldslight.trajectory import Trajectory
@@ -264,17 +263,13 @@ class GRPOModule(pl.LightningModule):
         metrics.update(per_update)
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
-        self.last_step_metrics = metrics
         # Across ranks: maxima stay maxima, shares and counts add up, a step takes as long as its
-        # slowest rank; the rest (rollout statistics, values every rank shares) are averaged.
-        sync = self.trainer.world_size > 1
-        parts: dict[str, dict[str, float]] = {"mean": {}, "max": {}, "sum": {}}
-        for k, v in metrics.items():
-            kind = "max" if (k.endswith("_max") or k.startswith("time/")) else "sum" if k in summed else "mean"
-            parts[kind][k] = v
-        for kind, part in parts.items():
-            if part:
-                self.log_dict(part, on_step=True, on_epoch=False, batch_size=n, sync_dist=sync, reduce_fx=kind)
+        # slowest rank; the rest (rollout statistics, values every rank shares) are averaged. Reduced
+        # here, once, so that callbacks reading last_step_metrics see the same global values on
+        # every rank (every rank logs the same keys).
+        kinds = {k: "max" if (k.endswith("_max") or k.startswith("time/")) else "sum" if k in summed else "mean" for k in metrics}
+        self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
+        self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 
     # -- checkpoints (lldslight/checkpoint.py) ----------------------------------------------------
 

@@ -317,6 +317,7 @@ def micro_batch_loss(
         "entropy": (entropy.detach() * mask).sum() / tokens,  # token mean whatever the aggregation
         "ratio_max": ratio.detach().masked_fill(~mask, 0.0).max() if bool(mask.any()) else 1.0,
         "nonfinite_tokens": nonfinite,
+        "nonfinite_loss": 0.0,  # set by update(): every rank logs the same keys
     }
     if hp.kl_coef > 0:
         kl = obj.aggregate(obj.kl_penalty(logp, ref_logp, hp.kl_estimator), mask, hp.aggregation, n)
