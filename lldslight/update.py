@@ -73,8 +73,8 @@ class LossContext:
     totals: Totals  # the mini-batch's normalisers (all ranks)
     mean_valid_searches: float  # V of the whole rollout batch (all ranks): LLDS-MA's beta
     update_index: int  # 0 = the on-policy mini-batch
-    # Diagnostics a term records: summed over micro-batches and ranks (so record this micro-batch's
-    # share of a mini-batch value, or a count), max for keys ending in "_max".
+    # Diagnostics a term records, the same keys on every rank: summed over micro-batches and ranks
+    # (so record this micro-batch's share of a mini-batch value, or a count), max for "_max" keys.
     metrics: dict[str, float] = field(default_factory=dict)
 
 
