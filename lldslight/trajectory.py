@@ -38,7 +38,8 @@ class Trajectory:
     advantage: Tensor | None = None  # [B] float
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
-    extras: dict[str, Any] = field(default_factory=dict)  # a list of len(self) here is per row
+    old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
+    extras: dict[str, Any] = field(default_factory=dict)  # per-row lists/tensors are sliced by select
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -48,22 +49,22 @@ class Trajectory:
         return self.loss_mask.sum(-1)
 
     def select(self, index: Tensor | list[int]) -> "Trajectory":
-        """Rows ``index`` (a mini- or micro-batch), trimmed to their longest row to cut padding."""
+        """Rows ``index`` (a mini- or micro-batch), trimmed to their longest row to cut padding.
+        Per-row values in ``extras`` (lists and tensors of length B) are selected too."""
         idx = torch.as_tensor(index, dtype=torch.long)
+        B, T = self.input_ids.shape
         width = int(self.attention_mask[idx.to(self.attention_mask.device)].sum(-1).max().item()) if len(idx) else 0
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
+
+        def rows(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == B:
                 value = value[idx.to(value.device)]
-                if value.dim() == 2:
-                    value = value[:, :width]
-            elif isinstance(value, list) and len(value) == len(self):
-                value = [value[i] for i in idx.tolist()]
-            elif f.name == "extras":
-                value = {k: [v[i] for i in idx.tolist()] if _per_row(v, len(self)) else v for k, v in value.items()}
-            out[f.name] = value
-        return Trajectory(**out)
+                return value[:, :width] if value.dim() == 2 and value.shape[1] == T else value
+            if isinstance(value, list) and len(value) == B:
+                return [value[i] for i in idx.tolist()]
+            return value
+
+        out = {f.name: rows(getattr(self, f.name)) for f in fields(self) if f.name != "extras"}
+        return Trajectory(**out, extras={k: rows(v) for k, v in self.extras.items()})
 
     @staticmethod
     def concat(parts: list["Trajectory"]) -> "Trajectory":

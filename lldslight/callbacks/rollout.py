@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import torch
 from tqdm.auto import tqdm
 
+from lldslight import evaluation
 from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
-from lldslight.evaluation import gather_records, summarise, trajectory_records
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
 from lldslight.rollout import RolloutConfig, RolloutEngine
@@ -29,7 +29,8 @@ class SearchRollout(pl.Callback):
         rollout: sampling settings for training.
         eval_max_turns: search rounds in evaluation.
         eval_max_new_tokens: per-turn budget in evaluation (None = the training one).
-        eval_before_fit: evaluate the val split greedily before the first step (the "before" EM).
+        eval_before_fit: evaluate the val split greedily before the first step (the "before" EM;
+            skipped when a run resumes from a checkpoint, whose weights are already trained).
         eval_after_fit: evaluate the val split again when training ends (the "after" EM).
         dynamic_sampling: keep only groups whose rewards differ and sample further prompts until the
             batch is full of them (DAPO, arXiv 2503.14476; lldslight/callbacks/dynamic_sampling.py).
@@ -150,37 +151,46 @@ class SearchRollout(pl.Callback):
 
     # -- before/after evaluation outside Lightning's loops (fit has no "validate first" mode) -----
 
-    def evaluate(self, trainer: pl.Trainer, pl_module) -> Optional[dict]:
+    def evaluate(self, trainer: pl.Trainer, pl_module, stage: str = "val") -> Optional[dict]:
+        """Greedy rollouts over the val split, finished like Lightning's validation (one path:
+        lldslight/evaluation.py): records gathered over ranks, summary, ``{stage}_stepN`` report.
+        Returns evaluation.finish's result, or None without a datamodule."""
         datamodule = trainer.datamodule
         if datamodule is None:
             return None
-        loader = datamodule.val_dataloader()
         _, engine = self._engines(pl_module)
         records = []
-        bar = tqdm(loader, desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
+        bar = tqdm(datamodule.val_dataloader(), desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
         for batch in bar:
-            traj = engine.generate(pl_module.policy, batch)
-            records.extend(trajectory_records(traj))
+            records.extend(evaluation.trajectory_records(engine.generate(pl_module.policy, batch)))
             bar.set_postfix(em=f"{sum(r['em'] for r in records) / len(records):.3f}")
-        return summarise(gather_records(records))
+        return evaluation.finish(records, stage, trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.eval_before_fit:
-            self._record(trainer, pl_module, "before")
+        if not self.eval_before_fit:
+            return
+        if trainer.global_step > 0:
+            # A resumed run: its weights are trained, so this would not be a "before" number.
+            if trainer.is_global_zero:
+                print(f"[lldslight] eval_before_fit skipped: resuming at step {trainer.global_step} "
+                      "(the before-training evaluation is in the first run's logs)", flush=True)
+            return
+        self._record(trainer, pl_module, "before")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.eval_after_fit:
             self._record(trainer, pl_module, "after")
 
     def _record(self, trainer, pl_module, when: str) -> None:
-        summary = self.evaluate(trainer, pl_module)
-        if summary is None:
+        result = self.evaluate(trainer, pl_module, stage=f"val_{when}")
+        if result is None:
             return
+        summary = result["summary"]
         history = getattr(pl_module, "eval_history", {})
         history[when] = summary
         pl_module.eval_history = history
         for logger in trainer.loggers:
-            logger.log_metrics({f"val_{when}/em": summary["overall"]["em"], f"val_{when}/searches": summary["overall"]["searches"]}, step=trainer.global_step)
+            logger.log_metrics(evaluation.flat_metrics(summary, f"val_{when}"), step=trainer.global_step)
         if trainer.is_global_zero:
             o = summary["overall"]
             print(f"[lldslight] dev {when} training: EM {o['em']:.3f}  F1 {o['f1']:.3f}  searches/q {o['searches']:.2f}  answered {o['answered']:.2f}  (n={o['n']})")
