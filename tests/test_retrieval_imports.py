@@ -25,7 +25,8 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 
 def import_graph() -> dict[str, set[str]]:
     """module -> lldslight modules it imports anywhere in its source, deferred imports included
-    (a function-level import is a cycle waiting for the call that closes it)."""
+    (a function-level import is a cycle waiting for the call that closes it); imports under
+    ``if TYPE_CHECKING:`` never run, so they are left out."""
     mods = _modules()
 
     def resolve(name: str) -> str | None:
@@ -36,7 +37,12 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, (f, is_pkg) in mods.items():
         package = m if is_pkg else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
