@@ -27,8 +27,10 @@ from torch.distributed.tensor import DTensor
 from lldslight import objectives as obj
 from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import FSDPConfig, all_ranks_agree, fsdp2_strategy_check, shard_policy, through_root
+from lldslight.errors import require
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy
+from lldslight.preflight import check_policy
 from lldslight.trajectory import Trajectory
 
 
@@ -153,10 +155,12 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if updates_per_rollout < 1 or micro_batch_size < 1:
-            raise ValueError("updates_per_rollout and micro_batch_size must be >= 1")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
+        require(updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", updates_per_rollout)
+        require(micro_batch_size >= 1, "model.micro_batch_size", ">= 1", micro_batch_size)
+        require(micro_batch_tokens is None or micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null", micro_batch_tokens)
+        require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
+        require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
+        require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
         self.policy_config = policy
         self.fsdp_config = fsdp
         self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
@@ -178,6 +182,15 @@ class GRPOModule(pl.LightningModule):
         self.vetoed_updates = 0
 
     # -- model ------------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # Lightning runs this after the data and callbacks are set up and before configure_model
+        # loads the weights: settings that need the trainer, and the model's location, fail here.
+        if stage == "fit" and self.hparams.warmup_steps is None and self.hparams.warmup_ratio > 0:
+            require(self.trainer.max_steps > 0, "trainer.max_steps", "> 0 with model.warmup_ratio > 0 (or set "
+                    "model.warmup_steps)", self.trainer.max_steps, "the warm-up is a fraction of max_steps")
+        if self.policy is None:
+            check_policy(self.policy_config)
 
     def configure_model(self) -> None:
         if self.policy is not None:

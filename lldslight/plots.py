@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lldslight.errors import UserError
+
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
 
 
-class PlotInputError(ValueError):
+class PlotInputError(UserError, ValueError):
     """A run directory that cannot be plotted (no metrics.csv, or missing columns)."""
 
 
@@ -47,7 +49,8 @@ def read_run(run_dir: str | Path):
     if missing:
         raise PlotInputError(
             f"{csv}: missing column(s) {', '.join(missing)}; lld/* columns come from the "
-            "lldslight.callbacks.LLDMonitor callback (add it to trainer.callbacks), train/* from GRPOModule"
+            "lldslight.callbacks.LLDMonitor callback: train with --config configs/monitor.yaml after your config "
+            "(or add LLDMonitor to trainer.callbacks); train/* come from GRPOModule"
         )
     frame = frame.dropna(subset=["step"]).groupby("step", sort=True).first()
     if frame[list(REQUIRED)].dropna(how="all").empty:

@@ -20,6 +20,8 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lldslight.errors import UserError
+
 log = logging.getLogger(__name__)
 
 DEMO_MODELS = {
@@ -29,7 +31,7 @@ DEMO_MODELS = {
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
-class PolicyLoadError(RuntimeError):
+class PolicyLoadError(UserError, RuntimeError):
     """The model could not be found or loaded; the message says what to do."""
 
 
@@ -177,6 +179,10 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
             "path, nor a hub id of the form 'org/name'"
         )
+    if not path.exists():
+        from lldslight.preflight import check_hub_model  # not cached and no hub: one line now, not a minute of retries
+
+        check_hub_model(cfg.model)
     return cfg.model
 
 

@@ -8,7 +8,9 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from tqdm.auto import tqdm
 
+from lldslight.errors import require
 from lldslight.evaluation import gather_records, summarise, trajectory_records
+from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
 from lldslight.rollout import RolloutConfig, RolloutEngine
@@ -41,6 +43,8 @@ class SearchRollout(pl.Callback):
         eval_before_fit: bool = False,
         eval_after_fit: bool = False,
     ) -> None:
+        require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
+        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
         self.config = rollout
@@ -63,6 +67,11 @@ class SearchRollout(pl.Callback):
         return self._train_engine, self._eval_engine
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
+                    "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
+        # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
+        check_retriever(self.retriever, self.config.topk)
         hp = getattr(pl_module, "hparams", {})
         temp = hp.get("logprob_temperature", 1.0) if hasattr(hp, "get") else 1.0
         if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
@@ -73,11 +82,15 @@ class SearchRollout(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
+        unavailable = getattr(self.retriever, "unavailable_count", None)
         t0 = time.perf_counter()
         traj = engine.generate(pl_module.policy, batch)
         pl_module.timings["rollout_s"] = time.perf_counter() - t0
         pl_module.timings["retrieval_s"] = engine.stats.get("retrieval_s", 0.0)
         pl_module.rollout_batch = traj
+        if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
+            pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
+                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
 
     def _eval_batch(self, pl_module, batch: Any) -> None:
         _, engine = self._engines(pl_module)

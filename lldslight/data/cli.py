@@ -84,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         return _inspect(args.file, args.split)
     except (DataFormatError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"lldslight data: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lldslight.data.example import QAExample, make_prompt
+from lldslight.errors import UserError
 
 ANSWER_SPLIT = "<|answer_split|>"
 
@@ -46,7 +47,7 @@ SEARCHR1_SCHEMA = pa.schema(
 )
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError, ValueError):
     """A data file is missing, unreadable or has a malformed record."""
 
 
