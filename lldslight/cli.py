@@ -109,8 +109,9 @@ def _cli_class():
 
 
 def _instantiation_error(err: Exception) -> Exception:
-    """An error raised while building the configured objects: a UserError (or ValueError, Python's
-    "bad value") raised by a class's ``__init__`` is a configuration error. jsonargparse wraps it,
+    """An error raised while building the configured objects: a UserError, a ValueError (Python's
+    "bad value") or an ImportError (a missing optional package) raised by a class's ``__init__`` is
+    a configuration error. jsonargparse wraps it,
     e.g. in "Does not validate against any of the Union subtypes" with every alternative's error;
     dig it out of the chain. Anything else stays what it is (a bug keeps its traceback)."""
     from lldslight.errors import ConfigError, UserError
@@ -125,6 +126,9 @@ def _instantiation_error(err: Exception) -> Exception:
     innermost = chain[-1]
     if isinstance(innermost, ValueError):
         return ConfigError(str(innermost))
+    if isinstance(innermost, ImportError):  # an optional package the configured class needs
+        hint = " (TensorBoardLogger: pip install 'lldslight[tensorboard]')" if "tensorboard" in str(innermost) else ""
+        return UserError(str(innermost).splitlines()[0] + hint)
     return err
 
 

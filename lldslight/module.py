@@ -180,6 +180,7 @@ class GRPOModule(pl.LightningModule):
         self.eval_records: list[dict] = []
         self.last_eval: dict[str, Any] = {}
         self.vetoed_updates = 0
+        self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
 
     # -- model ------------------------------------------------------------------------------------
 
@@ -569,6 +570,7 @@ class GRPOModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.policy is None:
             self.configure_model()  # GRPOModule.load_from_checkpoint: build the model its weights load into
+        self.loaded_step = checkpoint.get("global_step")  # validate/test: Lightning leaves global_step at 0
         meta = checkpoint.get("lldslight", {})
         state = checkpoint.get("state_dict")  # absent under FSDP2, whose strategy loaded it already
         shapes = {k: p.shape for k, p in self.state_dict(keep_vars=True).items()}
@@ -639,7 +641,9 @@ class GRPOModule(pl.LightningModule):
         if self.trainer.is_global_zero and self.trainer.log_dir:
             from lldslight.evaluation import write_report
 
-            json_path, md_path = write_report(summary, records, self.trainer.log_dir, f"{stage}_step{self.global_step}")
+            # Named after the weights' training step: a checkpoint's own step in validate/test.
+            step = self.global_step if self.trainer.state.fn == "fit" or self.loaded_step is None else self.loaded_step
+            json_path, md_path = write_report(summary, records, self.trainer.log_dir, f"{stage}_step{step}")
             self.last_eval["report"] = str(md_path)
             if self.trainer.state.fn in ("validate", "test"):
                 print(f"\n{stage} results ({json_path}):\n" + md_path.read_text(), flush=True)

@@ -275,6 +275,18 @@ def test_no_lightningcli_args_warning_from_the_command_line(work):
     assert yaml.safe_load(proc.stdout)["model"]["policy"]["model"] == "smollm2-135m-instruct"
 
 
+def test_tensorboard_logger_without_tensorboard_names_the_extra(work, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        pytest.skip("tensorboard is installed: TensorBoardLogger works")
+    code, err = run_cli(["fit", "--config", str(TINY), "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
+                         "--trainer.logger.save_dir", str(work / "runs")], work, capsys)
+    assert_one_line_error(code, err, "fit", "tensorboard", "pip install 'lldslight[tensorboard]'")
+    extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("tensorboard") for req in extras["tensorboard"])
+
+
 @pytest.mark.parametrize("command, args, needles", [
     ("data", ["inspect", "{work}/nope.parquet"], ["nope.parquet"]),
     ("index", ["--corpus", "{work}/nope.jsonl", "--out", "{work}/idx_nope"], ["corpus not found", "nope.jsonl"]),
