@@ -7,6 +7,8 @@ PlotInputError, ...) derive from :class:`UserError`; so can yours.
 """
 from __future__ import annotations
 
+import argparse
+
 
 class UserError(Exception):
     """Bad configuration, data or environment; the message names the key, file or value."""
@@ -28,3 +30,10 @@ def require(ok: bool, key: str, allowed: str, value: object, why: str = "") -> N
     """Raise ``ConfigError("<key> must be <allowed>, got <value>[: why]")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key} must be {allowed}, got {value!r}" + (f": {why}" if why else ""))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for lldslight's tools: a usage error is one line, not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")

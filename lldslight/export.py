@@ -9,14 +9,13 @@ an adapter trained on a 4-bit base is merged into the full-precision base.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from lldslight.errors import CheckpointError
+from lldslight.errors import ArgumentParser, CheckpointError
 from lldslight.policy import LoRAConfig, PolicyConfig
 from lldslight.preflight import check_checkpoint
 
@@ -91,7 +90,7 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lldslight export",
         description="Merge a checkpoint's LoRA adapter into its base model and save a Hugging Face model directory.",
     )

@@ -9,12 +9,11 @@ run when several are overlaid) and early warnings are dashed vertical lines.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lldslight.errors import UserError
+from lldslight.errors import ArgumentParser, UserError
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
@@ -164,7 +163,7 @@ def plot_runs(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
     parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/lld.png for one run, lld_compare.png for several)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")

@@ -303,6 +303,16 @@ def test_every_tool_says_bad_input_in_one_line(work, capsys, command, args, need
     assert_one_line_error(code, err, command, *needles)
 
 
+@pytest.mark.parametrize("command, args", [
+    ("data", []), ("index", ["--out", "x"]), ("serve", ["--port", "abc"]), ("plot", []), ("sft", ["--out", "x"]),
+    ("export", ["--ckpt", "x"]),
+])
+def test_every_tool_says_a_usage_error_in_one_line(work, capsys, command, args):
+    code, err = run_cli([command, *args], work, capsys)
+    assert code == 2 and err.strip().splitlines() == [err.strip()], err
+    assert err.startswith(f"lldslight {command}: error: ") and f"lldslight {command} --help" in err
+
+
 # --------------------------------------------------------------------------- item 9: checkpoints
 
 

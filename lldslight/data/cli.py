@@ -11,10 +11,11 @@ from typing import Optional
 
 from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
 from lldslight.data.synth import synthesize
+from lldslight.errors import ArgumentParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lldslight data", description="Data tools.")
+    p = ArgumentParser(prog="lldslight data", description="Data tools.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("synth", help="generate the synthetic knowledge base (idempotent)")
     where = s.add_mutually_exclusive_group(required=True)
