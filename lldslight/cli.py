@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from typing import Any, Optional
 
@@ -172,6 +173,30 @@ def _check_config_files(argv: list[str]) -> None:
             raise ConfigError(f"malformed YAML in {value}{where}: {problem}") from None
 
 
+def _jsonargparse_one_line(message: str) -> str:
+    """jsonargparse explains a bad value inside a class (a typo in a callback's init_args) as every
+    alternative of a Union, 15+ lines; keep the path to the first real problem:
+    ``trainer.callbacks: lldslight.callbacks.SearchRollout: retriever: ...: Option 'korpus' is not accepted``."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("- Problem with given class_path")), None)
+    if start is None or "Does not validate against any of the Union subtypes" not in message:
+        return " ".join(line.strip() for line in lines)
+    key = re.match(r'Parser key "([^"]+)":', lines[0].strip())
+    parts = [key.group(1)] if key else []
+    depth = len(lines[start]) - len(lines[start].lstrip())
+    for i, line in enumerate(lines[start:]):
+        if i and len(line) - len(line.lstrip()) <= depth:
+            break  # the next alternative of the Union
+        text = line.strip().removeprefix("- ")
+        found = re.fullmatch(r"Problem with given class_path '([^']+)':|Parser key \"([^\"]+)\":", text)
+        if found:
+            parts.append(found.group(1) or found.group(2))
+        elif not text.startswith(("Does not validate", "Subtypes:", "Errors:")):
+            parts.append(text)
+            break
+    return ": ".join(parts)
+
+
 def _usage() -> str:
     lines = ["usage: lldslight {fit,validate,test} --config FILE.yaml [...]",
              "       lldslight {" + ",".join(TOOLS) + "} ...", "",
@@ -236,7 +261,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (UserError, ArgumentError) as err:
         if debug:
             raise
-        print(f"lldslight{' ' + command if command else ''}: error: {err}", file=sys.stderr)
+        message = _jsonargparse_one_line(str(err)) if isinstance(err, ArgumentError) else str(err)
+        print(f"lldslight{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -225,6 +225,17 @@ def test_unknown_key_is_one_line_without_usage(work, capsys):
     assert_one_line_error(code, err, "fit", "learning_rate_typo")
 
 
+def test_typo_inside_a_nested_class_is_one_line_with_its_path(work, capsys):
+    cfg = yaml.safe_load(TINY.read_text())
+    retriever = cfg["trainer"]["callbacks"][0]["init_args"]["retriever"]["init_args"]
+    retriever["korpus"] = retriever.pop("corpus")
+    typo = work / "typo_nested.yaml"
+    typo.write_text(yaml.safe_dump(cfg))
+    code, err = run_cli(["fit", "--config", str(typo)], work, capsys)
+    assert_one_line_error(code, err, "fit", "trainer.callbacks: lldslight.callbacks.SearchRollout: retriever: "
+                                            "lldslight.retrieval.BM25Retriever: Option 'korpus' is not accepted")
+
+
 def test_class_init_error_is_dug_out_of_jsonargparse(work, capsys):
     """A callback's own ValueError, which jsonargparse wraps in a union-validation message."""
     extra = work / "llds_bad.yaml"
