@@ -8,7 +8,8 @@ The engine runs the Search-R1 protocol (up to ``--max-turns`` searches, then an 
 ``--prompts`` questions x G; every model token it samples is counted. ``model.generate`` then
 samples exactly as many new tokens per row (min_new_tokens = max_new_tokens) for the same prompts
 x G, with one forward per token, no retrieval and no observations. Runs alternate engine /
-generate and medians are reported: tokens per second for both, and where the engine's time goes
+generate (benchmarks/harness.py: load recorded around every run, busy runs repeated, medians with
+their spread, a quiet/NOT QUIET verdict) and medians are reported: tokens per second for both, and where the engine's time goes
 (prompt prefill, decoding, observation prefill, retrieval).
 
 Two of the engine's choices are measured directly:
@@ -32,6 +33,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
 
 
 def load_engine_module(path: str | None):
@@ -147,6 +151,7 @@ def main(argv=None):
     p.add_argument("--skip-sharing", action="store_true", help="skip the prefill-sharing A/B")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -172,20 +177,37 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)  # warm-up
     results: dict[str, list[dict]] = {k: [] for k in list(engines) + ["generate", "unshared", "reencode"]}
+    policy = harness.policy_from_args(args)
+    attempts: list[harness.Attempt] = []
+    if args.repeats < harness.MIN_ROUNDS:
+        print(f"[rollout] {args.repeats} repeat(s): fewer than {harness.MIN_ROUNDS}, a smoke test, not a result", flush=True)
+
+    def timed(side: str, rep: int, fn, seed: int):
+        """fn() under the harness: load recorded, repeated while busy; the kept run's value."""
+        def run():
+            torch.manual_seed(seed)
+            return harness.metered(fn)
+
+        tries = harness.until_quiet(run, policy, lambda s: print(s, flush=True), f"repeat {rep + 1}/{args.repeats} {side}")
+        for k, (value, load, busy) in enumerate(tries):
+            res = value[0] if isinstance(value, tuple) else value
+            attempts.append(harness.Attempt(side, rep, k, {x: y for x, y in res.items() if x != "load"}, load, busy, kept=k == len(tries) - 1))
+        value, load, busy = tries[-1]
+        (value[0] if isinstance(value, tuple) else value).update(load=load.to_dict(), busy=busy)
+        return value
+
     for rep in range(args.repeats):
-        torch.manual_seed(args.seed + rep)
-        res, traj = run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)
+        seed = args.seed + rep
+        res, traj = timed("engine", rep, lambda: run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G), seed)
         results["engine"].append(res)
         per_row = max(1, round(res["tokens"] / len(traj)))
-        results["generate"].append(run_generate(model, tok, examples, G, per_row, 1.0))
-        results["reencode"].append({"wall_s": reencode_cost(model, traj, args.max_turns)})
+        results["generate"].append(timed("generate", rep, lambda: run_generate(model, tok, examples, G, per_row, 1.0), seed))
+        results["reencode"].append(timed("reencode", rep, lambda: {"wall_s": reencode_cost(model, traj, args.max_turns)}, seed))
         if "baseline" in engines:
-            torch.manual_seed(args.seed + rep)
-            results["baseline"].append(run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G)[0])
+            results["baseline"].append(timed("baseline", rep, lambda: run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G)[0], seed))
         if not args.skip_sharing:
-            torch.manual_seed(args.seed + rep)
             repeated = [ex for ex in examples for _ in range(G)]
-            results["unshared"].append(run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1)[0])
+            results["unshared"].append(timed("unshared", rep, lambda: run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1)[0], seed))
         print(f"[rollout] repeat {rep + 1}/{args.repeats}: engine {res['tok_per_s']:.1f} tok/s, generate {results['generate'][-1]['tok_per_s']:.1f} tok/s", flush=True)
 
     med = lambda runs, key: statistics.median(r[key] for r in runs) if runs and key in runs[0] else float("nan")  # noqa: E731
@@ -208,10 +230,13 @@ def main(argv=None):
         "runs": results,
     }
     report["tok_per_s_ratio"] = report["engine_tok_per_s"] / report["generate_tok_per_s"]
+    report["spread"] = {s: harness.side_summary(attempts, s, ["tok_per_s", "wall_s"]) for s in ("engine", "generate")}
+    report["tok_per_s_ratio_rounds"] = harness.ratio_summary(attempts, "engine", "generate", "tok_per_s")
+    report["quiet"] = harness.quiet_summary(attempts, policy)
     if results["unshared"]:
         report["unshared_prefill_s"] = med(results["unshared"], "prefill_s")
         report["unshared_tok_per_s"] = med(results["unshared"], "tok_per_s")
-    if results["baseline"]:
+    if results.get("baseline"):
         report["baseline_tok_per_s"] = med(results["baseline"], "tok_per_s")
         report["baseline_wall_s"] = med(results["baseline"], "wall_s")
 
@@ -233,13 +258,17 @@ def main(argv=None):
     print(f"|{'-' * 30}|{'-' * 20}|{'-' * 17}|")
     for label, a, b in rows:
         print(f"| {label:28} | {a:>18} | {b:>15} |")
-    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f}")
+    r = report["tok_per_s_ratio_rounds"]["spread"]
+    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f} (per round {r['min']:.2f}-{r['max']:.2f}); tok/s "
+          f"engine {harness.fmt_spread(report['spread']['engine']['tok_per_s'], '{:.1f}')}, "
+          f"generate {harness.fmt_spread(report['spread']['generate']['tok_per_s'], '{:.1f}')}")
     if "unshared_prefill_s" in report:
         print(f"prefill once per group: {report['prefill_s']:.2f} s vs {report['unshared_prefill_s']:.2f} s unshared (G={G}); "
               f"whole rollout {report['engine_tok_per_s']:.1f} vs {report['unshared_tok_per_s']:.1f} tok/s")
     print(f"KV cache across turns: observation prefill {report['observation_s']:.2f} s vs {report['reencode_s']:.2f} s re-encoding contexts")
     if "baseline_tok_per_s" in report:
         print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s")
+    print(harness.quiet_line(report["quiet"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

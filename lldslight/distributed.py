@@ -22,7 +22,7 @@ Two things differ from the usual ``loss = model(batch)`` FSDP2 program, and this
 Lightning's ``FSDPStrategy`` (FSDP1) would need both done differently (its root is Lightning's
 wrapper, generation would go through ``summon_full_params``); that is not implemented, so the
 module refuses FSDP1 with a message pointing here. DDP needs nothing from this file except
-:func:`all_ranks_agree`.
+:func:`all_ranks_agree` and :func:`all_ranks_min`.
 """
 from __future__ import annotations
 
@@ -157,13 +157,18 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     Decisions that change weights (accept or veto an update) must be identical on all ranks, or
     replicas silently diverge (DDP) or collectives go unmatched (FSDP).
     """
+    return all_ranks_min(1 if flag else 0, device) == 1
+
+
+def all_ranks_min(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over all ranks (one tiny all-reduce; ``value`` in one process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return value
     if torch.distributed.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return value
+    t = torch.tensor([int(value)], dtype=torch.long, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item() > 0.5)
+    return int(t.item())
 
 
 def fsdp2_strategy_check(strategy: Any) -> None:

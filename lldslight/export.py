@@ -4,8 +4,10 @@ vLLM or any other transformers-compatible tool loads without lldslight.
 
 A checkpoint holds only the trained weights (the adapter under LoRA); the base comes from the
 policy config the checkpoint stores in its hyper-parameters (``model.policy``), loaded again from
-the same place (hub id, directory, GGUF or random init with its seed) and without quantization:
-an adapter trained on a 4-bit base is merged into the full-precision base.
+the same place (hub id, directory, GGUF or random init with its seed). A quantized base (QLoRA)
+is quantized as in training and dequantized to float32 before the merge: the adapter was trained
+against the dequantized 4/8-bit weights, not the original ones, so the export is the policy that
+was trained (saved in ``--dtype``, by default model.policy.dtype, bfloat16 when that is "auto").
 """
 from __future__ import annotations
 
@@ -67,8 +69,8 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
     # Merge in float32 on whatever machine this runs on; cast once at the end.
     target = dtype or (policy.dtype if policy.dtype != "auto" else "bfloat16")
-    build = dataclasses.replace(policy, dtype="float32", quantization=None, gradient_checkpointing=False)
-    model, tokenizer = load_policy(build)
+    build = dataclasses.replace(policy, dtype="float32", gradient_checkpointing=False)
+    model, tokenizer = load_policy(build, dequantize=True)
     state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
     if not state:
         raise ValueError(f"{ckpt}: the checkpoint holds no policy weights")
@@ -86,6 +88,7 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
         "policy": dataclasses.asdict(policy),
         "dtype": target,
         "adapter_merged": policy.lora is not None,
+        "base": f"{policy.quantization} dequantized to float32" if policy.quantization else "as loaded, float32",
     })
 
 

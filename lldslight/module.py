@@ -29,7 +29,7 @@ from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick
 from lldslight.distributed import FSDPConfig, all_ranks_agree, fsdp2_strategy_check, shard_policy, through_root
 from lldslight.errors import require
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import PolicyConfig, has_adapter, load_policy
+from lldslight.policy import PolicyConfig, has_adapter, load_policy, require_bitsandbytes
 from lldslight.preflight import check_policy
 from lldslight.trajectory import Trajectory
 
@@ -95,7 +95,7 @@ class GRPOModule(pl.LightningModule):
         warmup_steps: linear warm-up length in training steps; None uses ``warmup_ratio``.
         warmup_ratio: warm-up as a fraction of ``trainer.max_steps`` (paper: 0.285).
         grad_clip: max total gradient norm (0 = no clipping).
-        optimizer: "adamw" or "adamw8bit" (bitsandbytes, GPU).
+        optimizer: "adamw" or "adamw8bit" (bitsandbytes' 8-bit AdamW, CPU or GPU).
         updates_per_rollout: mini-batches (optimiser updates) per rollout batch; the first is
             on-policy, the rest are increasingly off-policy (LLDS needs >= 2).
         micro_batch_size: rollouts per forward/backward; gradients accumulate over a mini-batch.
@@ -246,10 +246,7 @@ class GRPOModule(pl.LightningModule):
         params = self.trainable_parameters()
         hp = self.hparams
         if hp.optimizer == "adamw8bit":
-            try:
-                import bitsandbytes as bnb
-            except ImportError as err:
-                raise ImportError("optimizer: adamw8bit needs bitsandbytes: pip install 'lldslight[gpu]'") from err
+            bnb = require_bitsandbytes("model.optimizer: adamw8bit")
             optimizer = bnb.optim.AdamW8bit(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
         else:
             optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)

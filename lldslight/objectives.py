@@ -101,6 +101,14 @@ def answer_weight_beta(mean_valid_searches: float, rule: Literal["paper", "offic
     raise ValueError(f"unknown answer-weight rule {rule!r}: use 'paper' or 'official'")
 
 
+def action_sums(values: Tensor, action_id: Tensor) -> Tensor:
+    """Per-action sums: out[b, a] = sum of ``values[b, t]`` over the tokens t of action a of row b
+    ([B, T] -> [B, T]; slots past a row's last action are 0). ``values`` must be 0 off the model
+    tokens (action_id -1 maps to slot 0). One scatter: an action has at least one token, so T
+    slots always suffice and sizing them needs no host sync."""
+    return torch.zeros_like(values).scatter_add_(1, action_id.clamp(min=0), values)
+
+
 def llds_penalty(
     logp: Tensor,
     old_logp: Tensor,
@@ -138,11 +146,7 @@ def llds_penalty(
     elif gate == "response":
         open_gate = preserving & (d_sum_source.sum(-1, keepdim=True) > 0)
     elif gate == "action":
-        # Sum d per (row, action) with one scatter and read it back per token. An action has at
-        # least one token, so T slots always suffice (and need no host sync to size).
-        index = action_id.clamp(min=0)
-        per_action = torch.zeros_like(d_sum_source).scatter_add_(1, index, d_sum_source)
-        open_gate = preserving & (per_action.gather(1, index) > 0)
+        open_gate = preserving & (action_sums(d_sum_source, action_id).gather(1, action_id.clamp(min=0)) > 0)
     else:
         raise ValueError(f"unknown LLDS gate {gate!r}: use 'action', 'response' or 'token'")
 
@@ -160,8 +164,7 @@ def llds_penalty(
         active = active & (token_weight > 0)
     loss = contribution.sum() / denominator.clamp(min=1).to(contribution.dtype)
 
-    index = action_id.clamp(min=0)
-    has_active = torch.zeros_like(d_sum_source).scatter_add_(1, index, active.to(d_sum_source.dtype)) > 0
+    has_active = action_sums(active.to(d_sum_source.dtype), action_id) > 0
     diagnostics = {
         "active_actions": has_active.sum().to(logp.dtype),
         "active_tokens": active.sum().to(logp.dtype),

@@ -16,12 +16,11 @@ context it would see alone.
 from __future__ import annotations
 
 import functools
-import contextlib
 import inspect
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lldslight.data.example import QAExample
 from lldslight.errors import require
-from lldslight.policy import decoder_and_head
+from lldslight.policy import decoder_and_head, sampling_weights
 from lldslight.retrieval.base import Passage, Retriever
 from lldslight.rewards import exact_match, extract_answer, f1_score
 from lldslight.trajectory import Trajectory
@@ -167,7 +166,7 @@ class RolloutEngine:
         try:
             from lldslight.distributed import gathered_generate
 
-            with _lora_folded(model):
+            with sampling_weights(model):
                 # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
                 rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
@@ -454,35 +453,6 @@ class RolloutEngine:
             if prev >= end:
                 break
         return span
-
-
-@contextlib.contextmanager
-def _lora_folded(model: nn.Module) -> Iterator[None]:
-    """Sample with LoRA folded into the base weights: one matmul per layer instead of three (the
-    adapter's two small matmuls cost as much as the base one at decode batch sizes).
-
-    peft's merge_adapter/unmerge_adapter adds then subtracts the update, which leaves rounding
-    drift in the frozen base (and so in the reference policy) after every rollout. Instead each
-    adapted layer gets a new weight tensor W + delta while the adapter path is disabled, and the
-    original tensor object is put back afterwards: exact, at the cost of one extra copy of the
-    adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
-    """
-    layers = [m for m in model.modules() if callable(getattr(m, "get_delta_weight", None)) and hasattr(m, "base_layer")]
-    if not layers or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
-        yield
-        return
-    originals = []
-    with model.disable_adapter():
-        try:
-            for layer in layers:
-                weight = layer.base_layer.weight
-                delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
-                originals.append((weight, weight.data))
-                weight.data = weight.data + delta.to(weight.dtype)
-            yield
-        finally:
-            for weight, data in originals:
-                weight.data = data
 
 
 class _GrowingLayer(DynamicLayer):

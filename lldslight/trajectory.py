@@ -38,7 +38,7 @@ class Trajectory:
     advantage: Tensor | None = None  # [B] float
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # a list of len(self) here is per row
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -60,7 +60,39 @@ class Trajectory:
                     value = value[:, :width]
             elif isinstance(value, list) and len(value) == len(self):
                 value = [value[i] for i in idx.tolist()]
+            elif f.name == "extras":
+                value = {k: [v[i] for i in idx.tolist()] if _per_row(v, len(self)) else v for k, v in value.items()}
             out[f.name] = value
+        return Trajectory(**out)
+
+    @staticmethod
+    def concat(parts: list["Trajectory"]) -> "Trajectory":
+        """The rows of ``parts`` one after the other, right-padded to the widest (padding: attention
+        and loss masks 0, action_id -1, everything else 0). Optional tensors must be set in all parts
+        or in none; per-row extras are concatenated, others taken from the first part."""
+        if not parts:
+            raise ValueError("Trajectory.concat needs at least one part")
+        width = max(p.input_ids.shape[1] for p in parts)
+        out: dict[str, Any] = {}
+        for f in fields(Trajectory):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name == "extras":
+                first = values[0]
+                out[f.name] = {
+                    k: [x for p in parts for x in p.extras[k]] if all(_per_row(p.extras.get(k), len(p)) for p in parts) else v
+                    for k, v in first.items()
+                }
+            elif all(isinstance(v, Tensor) for v in values):
+                if values[0].dim() == 2:
+                    pad = -1 if f.name == "action_id" else 0
+                    values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad) for v in values]
+                out[f.name] = torch.cat(values)
+            elif all(v is None for v in values):
+                out[f.name] = None
+            elif all(isinstance(v, list) for v in values):
+                out[f.name] = [x for v in values for x in v]
+            else:
+                raise ValueError(f"Trajectory.concat: field {f.name!r} is set in some parts and not in others")
         return Trajectory(**out)
 
     def to(self, device: torch.device | str) -> "Trajectory":
@@ -86,3 +118,7 @@ class Trajectory:
             raise ValueError("Trajectory.action_id must be >= 0 exactly on model tokens")
         if (self.answer_mask & ~self.loss_mask).any():
             raise ValueError("Trajectory.answer_mask is set outside model tokens")
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    return isinstance(value, list) and len(value) == rows

@@ -198,7 +198,7 @@ def test_topk_above_the_servers_limit_fails_before_the_model_loads(work, unloada
         cfg = tiny_config(work / "topk.yaml", model=unloadable_model, rollout={"topk": 3},
                           retriever={"class_path": "lldslight.retrieval.HttpRetriever", "init_args": {"url": server.url}})
         code, err = run_cli(["fit", "--config", str(cfg)], work, capsys)
-    assert_one_line_error(code, err, "fit", "HTTP 422", "max_topk=2, got 3", "rollout.topk=3")
+    assert_one_line_error(code, err, "fit", "HTTP 422", "max_topk=2", "got 3", "rollout.topk=3")
 
 
 @pytest.mark.parametrize("env, needle", [

@@ -3,7 +3,8 @@
 
 What has to survive for that: adapter weights, AdamW moments, the warm-up scheduler, the global
 step, the data position, every RNG stream (sampling uses torch's) and the state of the LLDMonitor
-(phase detector) and GradientSpikeGuard (window of gradient norms) callbacks. The run directory is found
+(phase detector) and GradientSpikeGuard (window of gradient norms) callbacks, and with dynamic sampling
+the refill stream's position. The run directory is found
 by ``--ckpt_path last`` although the CSV logger numbers its runs (lldslight.checkpoint); the resumed
 run logs to the next version directory.
 """
@@ -35,7 +36,7 @@ trainer:
           init_args: {{corpus: .lldslight/tiny_data/corpus.jsonl}}
         reward: {{class_path: run_helpers.ParityReward}}
         rollout: {{group_size: 2, max_turns: 2, max_new_tokens: 12, max_obs_tokens: 48, max_response_tokens: 120, topk: 2, temperature: 1.0}}
-{extra}    - class_path: lldslight.callbacks.LLDMonitor
+{extra}{dynamic}    - class_path: lldslight.callbacks.LLDMonitor
       init_args: {{plot: false}}
     - class_path: lldslight.callbacks.GradientSpikeGuard
       init_args: {{factor: 1.5, window: 4, warmup: 1, max_consecutive_vetoes: 0}}
@@ -44,15 +45,18 @@ trainer:
 model:
   warmup_steps: 3
 """
+DYNAMIC = """    - class_path: lldslight.callbacks.DynamicSampling
+      init_args: {max_rounds: 3}
+"""
 KILL = """    - class_path: run_helpers.KillAtStep
       init_args: {{step: {step}}}
 """
 
 
 
-def fit(tmp: Path, name: str, save_dir: Path, extra: str = "", args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def fit(tmp: Path, name: str, save_dir: Path, extra: str = "", args: tuple[str, ...] = (), dynamic: bool = False) -> subprocess.CompletedProcess:
     cfg = tmp / f"{name}.yaml"
-    cfg.write_text(CONFIG.format(steps=STEPS, save_dir=save_dir, extra=extra))
+    cfg.write_text(CONFIG.format(steps=STEPS, save_dir=save_dir, extra=extra, dynamic=DYNAMIC if dynamic else ""))
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", "configs/tiny.yaml", "--config", str(cfg), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -69,18 +73,19 @@ def metrics(path: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_sigkilled_fit_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
+def test_sigkilled_fit_resumes_exactly(tmp_path, dynamic):
     full_dir, run_dir = tmp_path / "full", tmp_path / "run"
-    full = fit(tmp_path, "full", full_dir)
+    full = fit(tmp_path, "full", full_dir, dynamic=dynamic)
     assert full.returncode == 0, full.stderr[-3000:]
 
-    killed = fit(tmp_path, "killed", run_dir, extra=KILL.format(step=KILL_AT))
+    killed = fit(tmp_path, "killed", run_dir, extra=KILL.format(step=KILL_AT), dynamic=dynamic)
     assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}\n{killed.stderr[-3000:]}"
     ckpts = run_dir / "tiny" / "version_0" / "checkpoints"
     assert torch.load(ckpts / "last.ckpt", weights_only=True)["global_step"] == KILL_AT
     assert not list(ckpts.glob(".*tmp*")), "a temporary checkpoint file was left behind"
 
-    resumed = fit(tmp_path, "resumed", run_dir, args=("--ckpt_path", "last"))
+    resumed = fit(tmp_path, "resumed", run_dir, args=("--ckpt_path", "last"), dynamic=dynamic)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr, "--ckpt_path last did not find the killed run's checkpoint"
 
@@ -92,11 +97,13 @@ def test_sigkilled_fit_resumes_exactly(tmp_path):
     got = {**before, **after}
     assert len({want[s]["train/lr"] for s in want}) > 1, "the warm-up should change lr between steps"
     assert any(0 < want[s]["train/reward"] < 1 for s in want), "rewards never mixed: the comparison would be vacuous"
+    if dynamic:  # the refill stream was drawn from after the kill: its position had to survive
+        assert any(want[s]["rollout/rounds"] > 1 for s in range(KILL_AT, STEPS)), "no refill after the resume: vacuous"
     for step in range(STEPS):
         # Everything the module, the monitor (its phase detector's smoothing) and the guard (its
         # window of norms decides vetoes) log, except wall times.
-        keys = {k for k in want[step] if k.startswith(("train/", "lld/"))}
-        assert keys == {k for k in got[step] if k.startswith(("train/", "lld/"))}, (step, keys ^ set(got[step]))
+        keys = {k for k in want[step] if k.startswith(("train/", "lld/", "rollout/"))}
+        assert keys == {k for k in got[step] if k.startswith(("train/", "lld/", "rollout/"))}, (step, keys ^ set(got[step]))
         assert "lld/logp_smooth" in keys and "train/vetoed_updates" in keys
         for key in sorted(keys):
             # The same sampled tokens; weights equal up to LoRA merge/unmerge rounding in the

@@ -114,7 +114,7 @@ def test_retriever_result_count_is_checked(tiny_policy, protocol_examples, proto
 def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
     """Sampling folds LoRA into the base weights; the outputs must match the adapter path and the
     frozen base (and so the reference policy) must come back bit for bit."""
-    from lldslight.rollout import _lora_folded
+    from lldslight.policy import sampling_weights
 
     model, _ = tiny_policy
     model.eval()
@@ -127,7 +127,7 @@ def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
     ids = torch.randint(0, 1000, (2, 12))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-        with _lora_folded(model):
+        with sampling_weights(model):
             folded = model(input_ids=ids).logits
         after = model(input_ids=ids).logits
     assert torch.allclose(folded, expected, atol=1e-5)

@@ -6,8 +6,10 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from tqdm.auto import tqdm
 
+from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import require
 from lldslight.evaluation import gather_records, summarise, trajectory_records
 from lldslight.preflight import check_retriever
@@ -31,6 +33,9 @@ class SearchRollout(pl.Callback):
         eval_max_new_tokens: per-turn budget in evaluation (None = the training one).
         eval_before_fit: evaluate the val split greedily before the first step (the "before" EM).
         eval_after_fit: evaluate the val split again when training ends (the "after" EM).
+        dynamic_sampling: keep only groups whose rewards differ and sample further prompts until the
+            batch is full of them (DAPO, arXiv 2503.14476; lldslight/callbacks/dynamic_sampling.py).
+            Off by default and in the paper recipes.
     """
 
     def __init__(
@@ -42,6 +47,7 @@ class SearchRollout(pl.Callback):
         eval_max_new_tokens: Optional[int] = None,
         eval_before_fit: bool = False,
         eval_after_fit: bool = False,
+        dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
     ) -> None:
         require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
         require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
@@ -57,6 +63,8 @@ class SearchRollout(pl.Callback):
         )
         self.eval_before_fit = eval_before_fit
         self.eval_after_fit = eval_after_fit
+        self.dynamic_sampling = dynamic_sampling
+        self._warned_short = False
         self._train_engine: Optional[RolloutEngine] = None
         self._eval_engine: Optional[RolloutEngine] = None
 
@@ -80,17 +88,68 @@ class SearchRollout(pl.Callback):
                 "the first update is then not on-policy (ratio != 1); set them equal"
             )
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Here, not in setup: the DynamicSampling callback turns the option on in its own setup.
+        if not self.dynamic_sampling.enabled:
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "refill_prompts"):
+            raise ValueError(
+                "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
+                f"to draw further prompts; got {type(datamodule).__name__}"
+            )
+        if self.config.group_size < 2:
+            raise ValueError(f"SearchRollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one never has mixed rewards), got {self.config.group_size}")
+
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
         unavailable = getattr(self.retriever, "unavailable_count", None)
         t0 = time.perf_counter()
-        traj = engine.generate(pl_module.policy, batch)
+        if self.dynamic_sampling.enabled:
+            traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
+        else:
+            traj = engine.generate(pl_module.policy, batch)
+            retrieval_s = engine.stats.get("retrieval_s", 0.0)
         pl_module.timings["rollout_s"] = time.perf_counter() - t0
-        pl_module.timings["retrieval_s"] = engine.stats.get("retrieval_s", 0.0)
+        pl_module.timings["retrieval_s"] = retrieval_s
         pl_module.rollout_batch = traj
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
             pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
                           on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+
+    def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
+        """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the
+        retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
+        datamodule = trainer.datamodule
+        retrieval = [0.0]
+
+        def generate(prompts):
+            traj = engine.generate(pl_module.policy, prompts)
+            retrieval[0] += engine.stats.get("retrieval_s", 0.0)
+            return traj
+
+        cfg = self.dynamic_sampling
+        result = sample_mixed_groups(generate, datamodule.refill_prompts, list(batch), cfg.max_rounds, pl_module.device)
+        if result.filled < 1.0 and not self._warned_short:
+            self._warned_short = True
+            what = (
+                f"only {result.kept_groups} of {len(batch)} groups per rank had mixed rewards; training on those"
+                if result.filled > 0
+                else "some rank found no group with mixed rewards; training on the first round as sampled"
+            )
+            pl.utilities.rank_zero_warn(
+                f"dynamic sampling at step {trainer.global_step}: after {cfg.max_rounds} extra rounds {what}. "
+                "Shown once; rollout/filled < 1 marks every such step (raise dynamic_sampling.max_rounds to sample more)."
+            )
+        counts = torch.tensor([float(result.kept_groups), float(result.sampled_groups - result.kept_groups)], device=pl_module.device)
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        pl_module.log_dict(
+            {"rollout/rounds": float(result.rounds), "rollout/kept_groups": float(counts[0]),
+             "rollout/dropped_groups": float(counts[1]), "rollout/filled": result.filled},
+            on_step=True, on_epoch=False, batch_size=len(result.traj), sync_dist=False,  # identical on every rank
+        )
+        return result.traj, retrieval[0]
 
     def _eval_batch(self, pl_module, batch: Any) -> None:
         _, engine = self._engines(pl_module)
