@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
-from lldslight.errors import require
+from lldslight.errors import ConfigError, require
 from lldslight.evaluation import gather_records, summarise, trajectory_records
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
@@ -94,12 +94,10 @@ class SearchRollout(pl.Callback):
             return
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "refill_prompts"):
-            raise ValueError(
+            raise ConfigError(
                 "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
                 f"to draw further prompts; got {type(datamodule).__name__}"
             )
-        if self.config.group_size < 2:
-            raise ValueError(f"SearchRollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one never has mixed rewards), got {self.config.group_size}")
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
