@@ -44,45 +44,10 @@ def check_retriever(retriever: Any, topk: int) -> None:
 # --------------------------------------------------------------------------- model
 
 
-def check_hub_model(repo_id: str, what: str = "model") -> None:
-    """A hub id that is not on disk is fine when the Hugging Face cache has it or the hub answers;
-    otherwise say so in one line now (transformers would retry for about a minute and end in three
-    chained tracebacks)."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    from lldslight.policy import PolicyLoadError
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return
-    if constants.HF_HUB_OFFLINE:
-        reason = "the hub is offline (HF_HUB_OFFLINE=1)"
-    else:
-        problem = _unreachable(constants.ENDPOINT)
-        if problem is None:
-            return  # the hub answers: transformers downloads it
-        reason = f"the hub ({constants.ENDPOINT}) is unreachable ({problem})"
-    raise PolicyLoadError(
-        f"{what} {repo_id!r} not found locally (no such directory, not in the Hugging Face cache "
-        f"{constants.HF_HUB_CACHE}), and {reason}; give a local model directory, or download it where "
-        "the hub is reachable (huggingface-cli download ...)"
-    )
-
-
-def _unreachable(url: str, timeout: float = 5.0) -> Optional[str]:
-    """None when ``url`` answers at all (any HTTP status), else the connection error."""
-    import httpx
-
-    try:
-        httpx.head(url, timeout=timeout)
-    except httpx.HTTPError as e:
-        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return None
-
-
 def check_policy(cfg: Any) -> None:
     """Find the policy's weights and tokenizer (demo package, GGUF, directory or hub id) without
     loading them. A demo GGUF is de-quantised into its cache here (once), as loading would."""
-    from lldslight.policy import DEMO_MODELS, PolicyLoadError, resolve_model_dir
+    from lldslight.policy import DEMO_MODELS, PolicyLoadError, check_hub_model, resolve_model_dir
 
     resolve_model_dir(cfg)
     tok = getattr(cfg, "tokenizer", None)
