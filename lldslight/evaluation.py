@@ -88,14 +88,16 @@ def write_report(summary: dict[str, Any], records: list[dict], out_dir: str | Pa
     return json_path, md_path
 
 
-def finish(records: list[dict], stage: str, trainer: Any, write: bool = True) -> dict[str, Any]:
+def finish(records: list[dict], stage: str, trainer: Any, write: bool = True, step: int | None = None) -> dict[str, Any]:
     """The end of an evaluation: every rank's records gathered (a collective: call it on every rank),
     summarised, and with ``write`` reported by rank 0 as ``{stage}_step{N}.json`` / ``.md`` in the
-    logger's directory. Returns {"stage", "step", "summary"} and "report" (the markdown path)."""
+    logger's directory; N is ``step`` (default: the trainer's global step). Returns {"stage", "step",
+    "summary"} and "report" (the markdown path)."""
     records = gather_records(records)
-    result: dict[str, Any] = {"stage": stage, "step": trainer.global_step, "summary": summarise(records)}
+    step = trainer.global_step if step is None else step
+    result: dict[str, Any] = {"stage": stage, "step": step, "summary": summarise(records)}
     if write and trainer.is_global_zero and trainer.log_dir:
-        _, md_path = write_report(result["summary"], records, trainer.log_dir, f"{stage}_step{trainer.global_step}")
+        _, md_path = write_report(result["summary"], records, trainer.log_dir, f"{stage}_step{step}")
         result["report"] = str(md_path)
     return result
 

@@ -11,14 +11,15 @@ was trained (saved in ``--dtype``, by default model.policy.dtype, bfloat16 when 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from lldslight.errors import ArgumentParser, CheckpointError
 from lldslight.policy import LoRAConfig, PolicyConfig
+from lldslight.preflight import check_checkpoint
 
 
 def policy_from_hparams(value: Any) -> PolicyConfig:
@@ -42,21 +43,20 @@ def load_checkpoint(path: Path) -> dict:
     from lldslight.distributed import FSDPConfig
 
     if path.is_dir():
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is a directory (a sharded FSDP2 checkpoint, save_distributed_checkpoint: true). Export "
             "needs a single-file checkpoint: train with FSDP2Strategy(save_distributed_checkpoint=false), "
             "the default, or convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save."
         )
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+    check_checkpoint(path)  # missing or truncated: one line, with the newest valid checkpoint beside it
     # Our own config dataclasses may be pickled in the hyper-parameters; nothing else is trusted.
     with torch.serialization.safe_globals([PolicyConfig, LoRAConfig, FSDPConfig]):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "hyper_parameters"):
         if key not in checkpoint:
-            raise ValueError(f"{path} has no {key!r}: not a checkpoint written by lldslight fit")
+            raise CheckpointError(f"{path} has no {key!r}: not a checkpoint written by lldslight fit")
     if "policy" not in checkpoint["hyper_parameters"]:
-        raise ValueError(f"{path}: hyper_parameters has no 'policy' (not a GRPOModule checkpoint)")
+        raise CheckpointError(f"{path}: hyper_parameters has no 'policy' (not a GRPOModule checkpoint)")
     return checkpoint
 
 
@@ -93,7 +93,7 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lldslight export",
         description="Merge a checkpoint's LoRA adapter into its base model and save a Hugging Face model directory.",
     )

@@ -26,8 +26,10 @@ from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, reduce_over_ranks, shard_policy, through_root
+from lldslight.errors import require
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, require_bitsandbytes
+from lldslight.preflight import check_policy
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate  # noqa: F401 (the hooks' contracts)
 
@@ -111,12 +113,13 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if updates_per_rollout < 1 or micro_batch_size < 1:
-            raise ValueError("updates_per_rollout and micro_batch_size must be >= 1")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 or null, got {micro_batch_tokens}")
-        if ratio_clamp is not None and ratio_clamp <= 1.0:
-            raise ValueError(f"model.ratio_clamp must be > 1 (the official LLDS code uses 100) or null, got {ratio_clamp}")
+        require(updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", updates_per_rollout)
+        require(micro_batch_size >= 1, "model.micro_batch_size", ">= 1", micro_batch_size)
+        require(micro_batch_tokens is None or micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null", micro_batch_tokens)
+        require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
+        require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
+        require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
+        require(ratio_clamp is None or ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null", ratio_clamp)
         self.policy_config = policy
         self.fsdp_config = fsdp
         self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
@@ -136,8 +139,18 @@ class GRPOModule(pl.LightningModule):
         self.eval_records: list[dict] = []
         self.last_eval: dict[str, Any] = {}
         self.vetoed_updates = 0
+        self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
 
     # -- model ------------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # Lightning runs this after the data and callbacks are set up and before configure_model
+        # loads the weights: settings that need the trainer, and the model's location, fail here.
+        if stage == "fit" and self.hparams.warmup_steps is None and self.hparams.warmup_ratio > 0:
+            require(self.trainer.max_steps > 0, "trainer.max_steps", "> 0 with model.warmup_ratio > 0 (or set "
+                    "model.warmup_steps)", self.trainer.max_steps, "the warm-up is a fraction of max_steps")
+        if self.policy is None:
+            check_policy(self.policy_config)
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -286,6 +299,7 @@ class GRPOModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.policy is None:
             self.configure_model()  # GRPOModule.load_from_checkpoint: build the model its weights load into
+        self.loaded_step = checkpoint.get("global_step")  # validate/test: Lightning leaves global_step at 0
         meta = checkpoint.get("lldslight", {})
         state = checkpoint.get("state_dict")  # absent under FSDP2, whose strategy loaded it already
         shapes = {k: p.shape for k, p in self.state_dict(keep_vars=True).items()}
@@ -340,7 +354,10 @@ class GRPOModule(pl.LightningModule):
 
     def _finish_eval(self, stage: str) -> None:
         sanity = self.trainer.sanity_checking
-        self.last_eval = evaluation.finish(self.eval_records, stage, self.trainer, write=not sanity)
+        # Named after the weights' training step: in validate/test, the loaded checkpoint's own step
+        # (Lightning leaves global_step at 0 there).
+        step = self.global_step if self.trainer.state.fn == "fit" or self.loaded_step is None else self.loaded_step
+        self.last_eval = evaluation.finish(self.eval_records, stage, self.trainer, write=not sanity, step=step)
         if sanity:
             return
         # Every rank already holds the gathered numbers; no second reduction.

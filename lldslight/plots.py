@@ -12,10 +12,11 @@ run when several are overlaid) and early warnings are dashed vertical lines.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
+
+from lldslight.errors import ArgumentParser, UserError
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
@@ -39,7 +40,7 @@ PANELS = [
 ]
 
 
-class PlotInputError(ValueError):
+class PlotInputError(UserError, ValueError):
     """A run directory that cannot be plotted (no metrics.csv, or missing columns)."""
 
 
@@ -68,7 +69,8 @@ def read_run(run_dir: str | Path):
     if missing:
         raise PlotInputError(
             f"{csv}: missing column(s) {', '.join(missing)}; lld/* columns come from the "
-            "lldslight.callbacks.LLDMonitor callback (add it to trainer.callbacks), train/* from GRPOModule"
+            "lldslight.callbacks.LLDMonitor callback: train with --config configs/monitor.yaml after your config "
+            "(or add LLDMonitor to trainer.callbacks); train/* come from GRPOModule"
         )
     frame = frame.dropna(subset=["step"]).groupby("step", sort=True).first()
     if frame[list(REQUIRED)].dropna(how="all").empty:
@@ -186,7 +188,7 @@ def plot_runs(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
     parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/lld.png for one run, lld_compare.png for several)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")

@@ -21,6 +21,8 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lldslight.errors import UserError
+
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
 # 4-bit inference path is missing; load_policy keeps that path off, so the warning is noise here.
@@ -33,7 +35,7 @@ DEMO_MODELS = {
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
-class PolicyLoadError(RuntimeError):
+class PolicyLoadError(UserError, RuntimeError):
     """The model could not be found or loaded; the message says what to do."""
 
 
@@ -181,7 +183,42 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
             "path, nor a hub id of the form 'org/name'"
         )
+    if not path.exists():
+        check_hub_model(cfg.model)  # not cached and no hub: one line now, not a minute of retries
     return cfg.model
+
+
+def check_hub_model(repo_id: str, what: str = "model") -> None:
+    """A hub id that is not on disk is fine when the Hugging Face cache has it or the hub answers;
+    otherwise say so in one line now (transformers would retry for about a minute and end in three
+    chained tracebacks)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        reason = "the hub is offline (HF_HUB_OFFLINE=1)"
+    else:
+        problem = _unreachable(constants.ENDPOINT)
+        if problem is None:
+            return  # the hub answers: transformers downloads it
+        reason = f"the hub ({constants.ENDPOINT}) is unreachable ({problem})"
+    raise PolicyLoadError(
+        f"{what} {repo_id!r} not found locally (no such directory, not in the Hugging Face cache "
+        f"{constants.HF_HUB_CACHE}), and {reason}; give a local model directory, or download it where "
+        "the hub is reachable (huggingface-cli download ...)"
+    )
+
+
+def _unreachable(url: str, timeout: float = 5.0) -> Optional[str]:
+    """None when ``url`` answers at all (any HTTP status), else the connection error."""
+    import httpx
+
+    try:
+        httpx.head(url, timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return None
 
 
 def load_tokenizer(cfg: PolicyConfig, model_dir: Optional[str] = None):

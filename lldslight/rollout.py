@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lldslight.data.example import QAExample
+from lldslight.errors import require
 from lldslight.policy import decoder_and_head, sampling_weights
 from lldslight.retrieval.base import Passage, Retriever
 from lldslight.rewards import exact_match, extract_answer, f1_score
@@ -69,6 +70,21 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+
+    def __post_init__(self) -> None:
+        # One line naming the key and its range, when the config is read (not a NaN or an autograd
+        # error minutes later). group_size >= 2 for training is SearchRollout's check: evaluation uses 1.
+        require(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        require(self.max_turns >= 0, "rollout.max_turns", ">= 0 (search rounds before the final answer)", self.max_turns)
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.max_obs_tokens >= 0, "rollout.max_obs_tokens", ">= 0", self.max_obs_tokens)
+        require(self.max_response_tokens >= 1, "rollout.max_response_tokens", ">= 1", self.max_response_tokens)
+        require(self.topk >= 1, "rollout.topk", ">= 1", self.topk)
+        if not self.greedy:
+            require(self.temperature > 0, "rollout.temperature", "> 0 when sampling", self.temperature,
+                    "0 divides the logits by zero; greedy decoding is rollout.greedy: true")
+        require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        require(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
 
 
 def format_observation(passages: list[Passage]) -> str:

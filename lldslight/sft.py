@@ -23,7 +23,6 @@ writes a plain Hugging Face model directory (LoRA merged); point ``model.policy.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -39,6 +38,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 
 from lldslight.data.example import QAExample
+from lldslight.errors import ArgumentParser
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_dtype, save_merged
 from lldslight.retrieval.base import Retriever
@@ -238,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lldslight.retrieval.http import HttpRetriever
     from lldslight.retrieval.index import load_index
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lldslight sft",
         description="Supervised warm start on gold search trajectories; writes a HF model directory for model.policy.model.",
     )

@@ -154,7 +154,7 @@ def test_a_group_of_one_is_refused_before_training(synth_kb, bm25) -> None:
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, callbacks=[rollout, DynamicSampling()],
                          enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0)
     data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=BATCH)
-    with pytest.raises(ValueError, match="group_size >= 2"):
+    with pytest.raises(ValueError, match="group_size must be >= 2 for training"):  # SearchRollout.setup, any training
         trainer.fit(GRPOModule(policy=tiny_policy_config()), datamodule=data)
     assert rollout._train_engine is None  # refused before any sampling
 

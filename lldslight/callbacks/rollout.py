@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from lldslight import evaluation
 from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
+from lldslight.errors import ConfigError, require
+from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
 from lldslight.rollout import RolloutConfig, RolloutEngine
@@ -48,6 +50,8 @@ class SearchRollout(pl.Callback):
         eval_after_fit: bool = False,
         dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
     ) -> None:
+        require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
+        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
         self.config = rollout
@@ -72,6 +76,11 @@ class SearchRollout(pl.Callback):
         return self._train_engine, self._eval_engine
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
+                    "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
+        # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
+        check_retriever(self.retriever, self.config.topk)
         hp = getattr(pl_module, "hparams", {})
         temp = hp.get("logprob_temperature", 1.0) if hasattr(hp, "get") else 1.0
         if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
@@ -86,15 +95,14 @@ class SearchRollout(pl.Callback):
             return
         datamodule = trainer.datamodule
         if datamodule is None or not hasattr(datamodule, "refill_prompts"):
-            raise ValueError(
+            raise ConfigError(
                 "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
                 f"to draw further prompts; got {type(datamodule).__name__}"
             )
-        if self.config.group_size < 2:
-            raise ValueError(f"SearchRollout.dynamic_sampling needs rollout.group_size >= 2 (a group of one never has mixed rewards), got {self.config.group_size}")
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
+        unavailable = getattr(self.retriever, "unavailable_count", None)
         t0 = time.perf_counter()
         if self.dynamic_sampling.enabled:
             traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
@@ -104,6 +112,9 @@ class SearchRollout(pl.Callback):
         pl_module.timings["rollout_s"] = time.perf_counter() - t0
         pl_module.timings["retrieval_s"] = retrieval_s
         pl_module.rollout_batch = traj
+        if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
+            pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
+                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
 
     def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
         """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the

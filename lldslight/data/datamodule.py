@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lldslight.data.example import QAExample
 from lldslight.data.formats import load_examples
 from lldslight.data.synth import synthesize as synthesize_kb
+from lldslight.errors import ConfigError, MissingFileError
 
 
 @dataclass
@@ -233,7 +234,7 @@ class SearchQADataModule(pl.LightningDataModule):
     ):
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) and eval_batch_size ({eval_batch_size}) must be >= 1")
+            raise ConfigError(f"data.batch_size ({batch_size}) and data.eval_batch_size ({eval_batch_size}) must be >= 1")
         if prompt_source not in ("template", "file"):
             raise ValueError(f"prompt_source must be 'template' or 'file', got {prompt_source!r}")
         self.files = {"train": list(train_files or []), "val": list(val_files or []), "test": list(test_files or [])}
@@ -280,7 +281,7 @@ class SearchQADataModule(pl.LightningDataModule):
             missing = [m for m in missing if not Path(m[2]).exists()]
         if missing:
             lines = "\n".join(f"  {arg}[{i}]: {f}" for arg, i, f in missing)
-            raise FileNotFoundError(f"SearchQADataModule: data file(s) not found:\n{lines}")
+            raise MissingFileError(f"SearchQADataModule: data file(s) not found:\n{lines}")
 
         next_group = 0
         for split, _ in _SPLIT_ARGS:
@@ -312,7 +313,7 @@ class SearchQADataModule(pl.LightningDataModule):
         world_size, rank = self._world()
         n = len(self.train_examples)
         if n < self.batch_size * world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"train set has {n} examples, fewer than batch_size ({self.batch_size}) x world_size"
                 f" ({world_size}); no complete batch (train_files: {self.resolved_files()['train']})"
             )

@@ -6,6 +6,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from lldslight.errors import UserError
+
 
 @dataclass(frozen=True)
 class Passage:
@@ -33,7 +35,7 @@ class Retriever(Protocol):
     def search(self, queries: list[str], k: int) -> list[list[Passage]]: ...
 
 
-class RetrievalError(RuntimeError):
+class RetrievalError(UserError, RuntimeError):
     """A retriever could not answer (server down, malformed response, missing index)."""
 
 

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from lldslight.errors import ArgumentParser
+
 from .base import RetrievalError, retriever_class, retriever_names
 
 
@@ -46,7 +48,7 @@ def _settings(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
 def index_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lldslight index --corpus corpus.jsonl --retriever dense|bm25 --out DIR [options]``."""
-    p = argparse.ArgumentParser(prog="lldslight index", description="Build a retrieval index over a jsonl corpus.")
+    p = ArgumentParser(prog="lldslight index", description="Build a retrieval index over a jsonl corpus.")
     p.add_argument("--corpus", required=True, help='jsonl with {"id", "contents"} rows')
     p.add_argument("--retriever", choices=retriever_names(indexed=True), default="bm25")
     p.add_argument("--out", required=True, help="index directory to write")
@@ -74,7 +76,7 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
 
     Without ``--index``, ``--corpus`` and ``--retriever`` build (or reuse) a cached index.
     """
-    p = argparse.ArgumentParser(prog="lldslight serve",
+    p = ArgumentParser(prog="lldslight serve",
                                 description="Serve a retrieval index over HTTP, Search-R1 compatible (POST /retrieve).")
     p.add_argument("--index", default=None, help="index directory from `lldslight index`")
     p.add_argument("--corpus", default=None, help="corpus path (overrides the index's; must be the same file)")

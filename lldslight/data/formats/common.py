@@ -14,11 +14,12 @@ from typing import Any, Optional
 import numpy as np
 
 from lldslight.data.example import make_prompt
+from lldslight.errors import UserError
 
 ANSWER_SPLIT = "<|answer_split|>"
 
 
-class DataFormatError(ValueError):
+class DataFormatError(UserError, ValueError):
     """A data file is missing, unreadable or has a malformed record."""
 
 
