@@ -203,7 +203,8 @@ def test_topk_above_the_servers_limit_fails_before_the_model_loads(work, unloada
 
 @pytest.mark.parametrize("env, needle", [
     ({"HF_HUB_OFFLINE": "1"}, "the hub is offline (HF_HUB_OFFLINE=1)"),
-    ({"HF_ENDPOINT": "http://127.0.0.1:{port}"}, "the hub (http://127.0.0.1:{port}) is unreachable"),
+    # HF_HUB_OFFLINE=0: other test modules set it to 1 in this process's environment.
+    ({"HF_ENDPOINT": "http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0"}, "the hub (http://127.0.0.1:{port}) is unreachable"),
 ], ids=["offline", "unreachable"])
 def test_model_not_on_disk_without_a_hub_is_one_line(work, env, needle, tmp_path):
     port = dead_port()
