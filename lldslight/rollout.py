@@ -12,16 +12,21 @@ Speed on one CPU or GPU comes from three choices (issue 6 measures them):
 Rows of different lengths share one cache with holes: the attention mask is 0 on the slots a row
 did not use, and position ids count only the row's real tokens, so each row sees exactly the
 context it would see alone.
+
+The reward sees only the model's own text (its actions; lldslight/rewards.py), and the answer
+scored for EM/F1 is the one in its last action.
 """
 from __future__ import annotations
 
-import functools
+import bisect
 import contextlib
+import functools
 import inspect
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -106,11 +111,101 @@ def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def observation_ids(tokenizer, text: str, max_obs_tokens: int) -> list[int]:
+    """An observation (retrieved passages or the invalid-action message) tokenised on its own and
+    cut to ``max_obs_tokens``: the rollout and the warm start both build observations here."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_obs_tokens]
+
+
+# -- the token layout of a trajectory, shared by the rollout and the warm start (sft.py) -----------
+
+
+@dataclass
+class Layout:
+    """One trajectory's tokens: the prompt, then segments in order, each the ids of model action
+    ``action`` (0, 1, ...) or of an observation (``action`` = -1)."""
+
+    prompt: list[int]
+    segments: list[tuple[list[int], int]] = field(default_factory=list)
+
+    def add(self, ids: list[int], action: int) -> None:
+        self.segments.append((ids, action))
+
+    def actions(self) -> list[list[int]]:
+        """The model's own token ids, one list per action."""
+        return [ids for ids, act in self.segments if act >= 0]
+
+    def __len__(self) -> int:
+        return len(self.prompt) + sum(len(ids) for ids, _ in self.segments)
+
+
+def pack(layouts: Sequence[Layout], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors of a batch of layouts (Trajectory's contract):
+    input_ids, attention_mask [B, T] long; loss_mask [B, T] bool (model tokens);
+    action_id [B, T] long (-1 off model tokens); prompt_len [B] long."""
+    B, T = len(layouts), max(len(lay) for lay in layouts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    action_id = torch.full((B, T), -1, dtype=torch.long)
+    for b, lay in enumerate(layouts):
+        ids, acts = list(lay.prompt), [-1] * len(lay.prompt)
+        for seg, act in lay.segments:
+            ids += seg
+            acts += [act] * len(seg)
+        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[b, : len(ids)] = 1
+        action_id[b, : len(ids)] = torch.tensor(acts, dtype=torch.long)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": action_id >= 0,
+        "action_id": action_id,
+        "prompt_len": torch.tensor([len(lay.prompt) for lay in layouts], dtype=torch.long),
+    }
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded sequence (special tokens kept); joined, they are the
+    decoded text. One batched decode when the tokens decoded one by one already concatenate to the
+    whole (byte-level BPE on whole characters: the common case). Otherwise a streaming detokenizer
+    (as vLLM's): each token is decoded in a small window after the tokens before it (tokenizers that
+    add or drop spaces between pieces), and a token that ends inside a character (a split UTF-8
+    byte) adds nothing until the one that completes it, or until 4 tokens (one UTF-8 character at
+    most) have been held back."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+    if "".join(pieces) == decode(ids):
+        return pieces
+    pieces, prefix, read = [], 0, 0  # ids[prefix:read] were emitted already and are kept as context
+    for i in range(len(ids)):
+        before, after = decode(ids[prefix:read]), decode(ids[prefix : i + 1])
+        if len(after) > len(before) and (not after.endswith("\ufffd") or i + 1 - read >= 4):
+            pieces.append(after[len(before):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    return pieces
+
+
+def answer_token_span(tokenizer, action: list[int]) -> list[int]:
+    """Indices of the action's tokens whose text overlaps its last <answer>...</answer>, in linear
+    time (decoding every prefix was O(n^2): 87 ms for a 553-token action)."""
+    pieces = token_texts(tokenizer, action)
+    text = "".join(pieces)
+    start = text.rfind("<answer>")
+    end = text.find("</answer>", start)
+    if start == -1 or end == -1:
+        return []
+    ends = list(itertools.accumulate(len(p) for p in pieces))  # ends[i]: characters up to token i
+    first = bisect.bisect_right(ends, start)  # the first token reaching past `start`
+    last = bisect.bisect_left(ends, end + len("</answer>"))  # the first token reaching the tag's end
+    return list(range(first, last + 1))
+
+
 @dataclass
 class _Row:
     example: QAExample
-    prompt: list[int]
-    segments: list[tuple[list[int], int]] = field(default_factory=list)  # (ids, action index or -1)
+    layout: Layout
     turn: list[int] = field(default_factory=list)
     turn_logp: list[float] = field(default_factory=list)
     sample_logp: list[float] = field(default_factory=list)
@@ -122,13 +217,39 @@ class _Row:
     stopped: bool = False
 
 
+@dataclass
+class _Batch:
+    """The live rows' shared decoding state. Slot s of the cache holds rows[live[s]].
+
+    cache: per layer keys/values [S, kv_heads, L, head_dim]; slot s uses the positions where
+        attn[s] is 1 (holes where other rows advanced and it did not).
+    attn: [S, L] long, 1 on the cache positions a slot really uses.
+    next_pos: [S] long, the position id of each slot's next token (its real length so far).
+    logits: [S, V] float, each slot's next-token logits.
+    """
+
+    cache: DynamicCache
+    attn: Tensor
+    next_pos: Tensor
+    logits: Tensor
+    live: list[int]
+
+    def keep(self, slots: list[int]) -> None:
+        """Drop every slot not in ``slots`` (one copy of the cache)."""
+        index = torch.tensor(slots, device=self.attn.device)
+        self.cache.batch_select_indices(index)
+        self.attn, self.next_pos, self.logits = self.attn[index], self.next_pos[index], self.logits[index]
+        self.live = [self.live[s] for s in slots]
+
+
 class RolloutEngine:
     """Samples Search-R1 trajectories from a policy with a retriever.
 
     Args:
         tokenizer: the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
-        reward_fn: ``(response_text, golden_answers) -> float``.
+        reward_fn: ``(response, golden_answers) -> float``; ``response`` is the model's own text,
+            its actions concatenated (no prompt, observation or environment message).
         config: sampling settings.
     """
 
@@ -161,156 +282,179 @@ class RolloutEngine:
     # -- decoding -------------------------------------------------------------------------------
 
     def _run(self, model: nn.Module, examples: list[QAExample], G: int, greedy: bool) -> list[_Row]:
+        """The rollouts of ``examples`` x G, step by step:
+
+        1. prefill each distinct prompt once; its G rollouts share its cache rows;
+        then for each turn (the last one, ``max_turns``, may not search):
+        2. decode every live row until it stops (stop tag, EOS, its token budget);
+        3. close the turn: record each row's action and decide: answered / out of turns or budget
+           (the row ends) / searched / invalid (its observation is the invalid-action message);
+        4. one retrieval call for every row that searched; the passages are its observation.
+           Observations are cut to ``max_obs_tokens`` and to the response budget (a row whose
+           budget they use up ends: "length");
+        5. rows that ended leave the cache;
+        6. prefill the observations: each row's last sampled token and its observation in one block;
+        7. rows still open after the last turn end with "max_turns".
+        """
         cfg = self.config
         decoder, head = decoder_and_head(model)
-        device = next(model.parameters()).device
-
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-        prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
-        rows = [_Row(example=ex, prompt=list(p)) for ex, p in zip(examples, prompts) for _ in range(G)]
+        forward = lambda ids, attn, pos, cache: decoder(  # noqa: E731
+            input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True
+        ).last_hidden_state
+        device = next(model.parameters()).device
         self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0, "prefill_s": 0.0, "decode_s": 0.0, "observation_s": 0.0, "compactions": 0}
-        clock = time.perf_counter()
 
-        # Prefill each distinct prompt once (left-padded), then share its cache with its G rollouts.
+        clock = time.perf_counter()
+        rows, batch = self._prefill_prompts(forward, head, examples, G, device)  # 1
+        clock = self._tick("prefill_s", clock, device)
+        for turn in range(cfg.max_turns + 1):
+            final = turn == cfg.max_turns
+            turn_rows = list(batch.live)
+            self._decode_turn(forward, head, rows, batch, greedy, final)  # 2
+            clock = self._tick("decode_s", clock, device)
+            searches = [(r, q) for r in turn_rows if (q := self._close_turn(rows[r], final)) is not None]  # 3
+            self._retrieve(rows, searches)  # 4
+            keep = [s for s, r in enumerate(batch.live) if not rows[r].finish]  # 5
+            if not keep:
+                break
+            if len(keep) < len(batch.live):
+                batch.keep(keep)
+            clock = time.perf_counter()  # retrieval and bookkeeping are not observation prefill
+            self._prefill_observations(forward, head, rows, batch)  # 6
+            clock = self._tick("observation_s", clock, device)
+        for r in batch.live:  # 7
+            if not rows[r].finish:
+                rows[r].finish = "max_turns"
+        return rows
+
+    def _prefill_prompts(self, forward, head, examples: list[QAExample], G: int, device) -> tuple[list[_Row], _Batch]:
+        """Step 1: each distinct prompt prefilled once (left-padded), its cache rows repeated G times."""
+        prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
+        rows = [_Row(example=ex, layout=Layout(list(p))) for ex, p in zip(examples, prompts) for _ in range(G)]
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)  # [P, W]
         attn = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, device=device)
             attn[i, width - len(p):] = 1
         cache = _growing_cache()
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_arg: cache}, use_cache=True)
-        logits = head(out.last_hidden_state[:, -1]).float()
+        hidden = forward(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), cache)  # [P, W, D]
+        logits = head(hidden[:, -1]).float()  # [P, V]
         if G > 1:
-            cache.batch_repeat_interleave(G)
+            cache.batch_repeat_interleave(G)  # [P*G, kv_heads, W, head_dim] per layer
             attn = attn.repeat_interleave(G, dim=0)
             logits = logits.repeat_interleave(G, dim=0)
-        next_pos = attn.sum(-1)
-        live = list(range(len(rows)))  # row index of each cache slot
-        clock = self._tick("prefill_s", clock, device)
+        return rows, _Batch(cache, attn, attn.sum(-1), logits, list(range(len(rows))))
 
+    def _decode_turn(self, forward, head, rows: list[_Row], batch: _Batch, greedy: bool, final: bool) -> None:
+        """Step 2: one token per live row per forward until every row has stopped. A stopped row
+        stays in the batch (fed nothing: a hole) unless its rollout is over; those leave once they
+        are a quarter of the batch (one copy of the cache, amortised over many steps)."""
+        cfg = self.config
         eos = set(self.eos_ids)
-        for turn in range(cfg.max_turns + 1):
-            final = turn == cfg.max_turns
-            turn_rows = list(live)
-            for r in live:
-                rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
-            budget = {r: min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in live}
-            for r in live:
-                if budget[r] <= 0:
-                    rows[r].stopped = True
-            running = sum(not rows[r].stopped for r in live)
-            done: set[int] = set()  # rows whose rollout ended this turn: they may leave the batch now
-            while running:
-                tokens, token_logp = self._sample(logits, greedy)
-                # One host transfer per step, not one per row.
-                tok_list, logp_list = tokens.tolist(), token_logp.tolist()
-                feed, fed = [self.pad_id] * len(live), [0] * len(live)
-                for slot, r in enumerate(live):
-                    row = rows[r]
-                    if row.stopped:
-                        continue
-                    tok = tok_list[slot]
-                    row.turn.append(tok)
-                    row.turn_logp.append(logp_list[slot])
-                    if tok in eos or len(row.turn) >= budget[r] or (tok in self._tag_closers and self._hit_stop(row.turn)):
-                        row.stopped = True  # its last token is fed later, with the observation
-                        running -= 1
-                        if final or parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))[0] == "answer":
-                            done.add(r)
-                    else:
-                        feed[slot], fed[slot] = tok, 1
-                if not running:
-                    break
-                # Rows that finished for good stop costing compute: once they are a quarter of the
-                # batch, drop their cache rows (one copy of the cache, amortised over many steps).
-                n_done = sum(r in done for r in live)
-                if n_done and 4 * n_done >= len(live):
-                    keep = [s for s, r in enumerate(live) if r not in done]
-                    index = torch.tensor(keep, device=device)
-                    cache.batch_select_indices(index)
-                    attn, next_pos = attn[index], next_pos[index]
-                    feed, fed, live = [feed[s] for s in keep], [fed[s] for s in keep], [live[s] for s in keep]
-                    self.stats["compactions"] += 1
-                step_ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)
-                step_mask = torch.tensor(fed, dtype=attn.dtype, device=device).unsqueeze(-1)
-                attn = torch.cat([attn, step_mask], dim=1)
-                pos = next_pos.unsqueeze(-1).clone()
-                out = decoder(input_ids=step_ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
-                logits = head(out.last_hidden_state[:, -1]).float()
-                next_pos = next_pos + step_mask[:, 0].to(next_pos.dtype)
-                self.stats["decode_steps"] += 1
-            clock = self._tick("decode_s", clock, device)
-
-            # Close the turn: record the action, decide what each rollout does next.
-            searches: list[tuple[int, str]] = []
-            pending: dict[int, list[int]] = {}
-            for r in turn_rows:
+        for r in batch.live:
+            rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
+        # >= 1: a row still live has room left in its response budget
+        budget = {r: min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in batch.live}
+        running = len(batch.live)
+        done: set[int] = set()  # rows whose rollout ended this turn: they may leave the batch now
+        while running:
+            tokens, token_logp = self._sample(batch.logits, greedy)
+            tok_list, logp_list = tokens.tolist(), token_logp.tolist()  # one host transfer per step
+            feed, fed = [self.pad_id] * len(batch.live), [0] * len(batch.live)
+            for slot, r in enumerate(batch.live):
                 row = rows[r]
-                row.segments.append((row.turn, row.actions))
-                row.sample_logp.extend(row.turn_logp)
-                row.actions += 1
-                row.response_len += len(row.turn)
-                kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
-                if kind == "answer":
-                    row.finish = "answer"
-                elif final:
-                    row.finish = "max_turns"
-                elif row.response_len >= cfg.max_response_tokens:
-                    row.finish = "length"
-                elif kind == "search" and content:
-                    searches.append((r, content))
+                if row.stopped:
+                    continue
+                tok = tok_list[slot]
+                row.turn.append(tok)
+                row.turn_logp.append(logp_list[slot])
+                if tok in eos or len(row.turn) >= budget[r] or (tok in self._tag_closers and self._hit_stop(row.turn)):
+                    row.stopped = True  # its last token is fed later, with the observation
+                    running -= 1
+                    if final or parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))[0] == "answer":
+                        done.add(r)
                 else:
-                    row.invalid += 1
-                    pending[r] = self._observation_ids(INVALID_ACTION)
-            if searches:
-                t0 = time.perf_counter()
-                results = self.retriever.search([q for _, q in searches], cfg.topk)
-                self.stats["retrieval_s"] += time.perf_counter() - t0
-                self.stats["retrieval_calls"] += 1
-                if len(results) != len(searches):
-                    raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
-                for (r, _), passages in zip(searches, results):
-                    rows[r].searches += 1
-                    pending[r] = self._observation_ids(format_observation(passages))
-            for r, obs in pending.items():
-                room = cfg.max_response_tokens - rows[r].response_len
-                obs = obs[: max(room, 0)]
-                rows[r].segments.append((obs, -1))
-                rows[r].response_len += len(obs)
-                if rows[r].response_len >= cfg.max_response_tokens:
-                    rows[r].finish = "length"
-            keep = [slot for slot, r in enumerate(live) if not rows[r].finish]
-            if not keep:
+                    feed[slot], fed[slot] = tok, 1
+            if not running:
                 break
-            if len(keep) < len(live):
-                cache.batch_select_indices(torch.tensor(keep, device=device))
-                attn, next_pos = attn[keep], next_pos[keep]
-            live = [live[s] for s in keep]
-            clock = time.perf_counter()  # retrieval and bookkeeping are not observation prefill
+            n_done = sum(r in done for r in batch.live)
+            if n_done and 4 * n_done >= len(batch.live):
+                keep = [s for s, r in enumerate(batch.live) if r not in done]
+                feed, fed = [feed[s] for s in keep], [fed[s] for s in keep]
+                batch.keep(keep)
+                self.stats["compactions"] += 1
+            step_ids = torch.tensor(feed, dtype=torch.long, device=batch.attn.device).unsqueeze(-1)  # [S, 1]
+            step_mask = torch.tensor(fed, dtype=batch.attn.dtype, device=batch.attn.device).unsqueeze(-1)  # [S, 1]
+            batch.attn = torch.cat([batch.attn, step_mask], dim=1)  # [S, L+1]: a hole where a row was not fed
+            hidden = forward(step_ids, batch.attn, batch.next_pos.unsqueeze(-1).clone(), batch.cache)  # [S, 1, D]
+            batch.logits = head(hidden[:, -1]).float()  # [S, V]
+            batch.next_pos = batch.next_pos + step_mask[:, 0].to(batch.next_pos.dtype)
+            self.stats["decode_steps"] += 1
 
-            # Feed each rollout's last sampled token plus its observation as one padded block.
-            blocks = [[rows[r].segments[-2][0][-1]] + rows[r].segments[-1][0] for r in live]
-            block_w = max(len(b) for b in blocks)
-            ids = torch.full((len(live), block_w), self.pad_id, dtype=torch.long, device=device)
-            block_mask = torch.zeros((len(live), block_w), dtype=attn.dtype, device=device)
-            for slot, b in enumerate(blocks):
-                ids[slot, : len(b)] = torch.tensor(b, device=device)
-                block_mask[slot, : len(b)] = 1
-            attn = torch.cat([attn, block_mask], dim=1)
-            pos = next_pos.unsqueeze(-1) + (block_mask.cumsum(-1) - 1).clamp(min=0)
-            out = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
-            lengths = block_mask.sum(-1).long()
-            last = out.last_hidden_state[torch.arange(len(live), device=device), lengths - 1]
-            logits = head(last).float()
-            next_pos = next_pos + lengths.to(next_pos.dtype)
-            clock = self._tick("observation_s", clock, device)
-        for r in live:
-            if not rows[r].finish:
-                rows[r].finish = "max_turns"
-        return rows
+    def _close_turn(self, row: _Row, final: bool) -> Optional[str]:
+        """Step 3: record the turn as the row's next action and decide what follows; returns the
+        query when the row searched."""
+        cfg = self.config
+        row.layout.add(row.turn, row.actions)
+        row.sample_logp.extend(row.turn_logp)
+        row.actions += 1
+        row.response_len += len(row.turn)
+        kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+        if kind == "answer":
+            row.finish = "answer"
+        elif final:
+            row.finish = "max_turns"
+        elif row.response_len >= cfg.max_response_tokens:
+            row.finish = "length"
+        elif kind == "search" and content:
+            return content
+        else:
+            row.invalid += 1
+            self._observe(row, INVALID_ACTION)
+        return None
+
+    def _retrieve(self, rows: list[_Row], searches: list[tuple[int, str]]) -> None:
+        """Step 4: one retrieval call for every (row, query); the passages become observations."""
+        if not searches:
+            return
+        t0 = time.perf_counter()
+        results = self.retriever.search([q for _, q in searches], self.config.topk)
+        self.stats["retrieval_s"] += time.perf_counter() - t0
+        self.stats["retrieval_calls"] += 1
+        if len(results) != len(searches):
+            raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
+        for (r, _), passages in zip(searches, results):
+            rows[r].searches += 1
+            self._observe(rows[r], format_observation(passages))
+
+    def _observe(self, row: _Row, text: str) -> None:
+        """Append an observation, cut to max_obs_tokens and to what is left of the response budget."""
+        room = self.config.max_response_tokens - row.response_len
+        obs = observation_ids(self.tokenizer, text, self.config.max_obs_tokens)[: max(room, 0)]
+        row.layout.add(obs, -1)
+        row.response_len += len(obs)
+        if row.response_len >= self.config.max_response_tokens:
+            row.finish = "length"
+
+    def _prefill_observations(self, forward, head, rows: list[_Row], batch: _Batch) -> None:
+        """Step 6: each live row's last sampled token (never fed while decoding) plus its
+        observation, as one right-padded block appended to the cache."""
+        blocks = [[rows[r].layout.segments[-2][0][-1]] + rows[r].layout.segments[-1][0] for r in batch.live]
+        S, width, device = len(blocks), max(len(b) for b in blocks), batch.attn.device
+        ids = torch.full((S, width), self.pad_id, dtype=torch.long, device=device)  # [S, W]
+        block_mask = torch.zeros((S, width), dtype=batch.attn.dtype, device=device)  # [S, W]
+        for slot, b in enumerate(blocks):
+            ids[slot, : len(b)] = torch.tensor(b, device=device)
+            block_mask[slot, : len(b)] = 1
+        batch.attn = torch.cat([batch.attn, block_mask], dim=1)  # [S, L+W]
+        pos = batch.next_pos.unsqueeze(-1) + (block_mask.cumsum(-1) - 1).clamp(min=0)  # [S, W]
+        hidden = forward(ids, batch.attn, pos, batch.cache)  # [S, W, D]
+        lengths = block_mask.sum(-1).long()  # [S]
+        batch.logits = head(hidden[torch.arange(S, device=device), lengths - 1]).float()  # [S, V]
+        batch.next_pos = batch.next_pos + lengths.to(batch.next_pos.dtype)
 
     def _tick(self, key: str, since: float, device: torch.device) -> float:
         if device.type == "cuda":
@@ -355,89 +499,66 @@ class RolloutEngine:
         tail = self.tokenizer.decode(turn[-12:], skip_special_tokens=False)
         return any(tag in tail for tag in STOP_TAGS)
 
-    def _observation_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[: self.config.max_obs_tokens]
-
-    # -- packing ----------------------------------------------------------------------------------
+    # -- packing and scoring ----------------------------------------------------------------------
 
     def _to_trajectory(self, rows: list[_Row], device: torch.device) -> Trajectory:
-        lengths = [len(r.prompt) + sum(len(s) for s, _ in r.segments) for r in rows]
-        B, T = len(rows), max(lengths)
-        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((B, T), dtype=torch.long)
-        loss_mask = torch.zeros((B, T), dtype=torch.bool)
-        action_id = torch.full((B, T), -1, dtype=torch.long)
+        packed = pack([row.layout for row in rows], self.pad_id)
+        B, T = packed["input_ids"].shape
         answer_mask = torch.zeros((B, T), dtype=torch.bool)
         sample_logp = torch.zeros((B, T), dtype=torch.float32)
-        responses, rewards, ems, f1s = [], [], [], []
         for b, row in enumerate(rows):
-            ids = list(row.prompt)
-            pos = len(ids)
-            for seg, act in row.segments:
-                if act >= 0:
-                    loss_mask[b, pos : pos + len(seg)] = True
-                    action_id[b, pos : pos + len(seg)] = act
-                ids.extend(seg)
-                pos += len(seg)
-            input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[b, : len(ids)] = 1
-            model_positions = loss_mask[b].nonzero()[:, 0]
-            sample_logp[b, model_positions] = torch.tensor(row.sample_logp, dtype=torch.float32)
+            sample_logp[b, packed["loss_mask"][b]] = torch.tensor(row.sample_logp, dtype=torch.float32)
             if row.finish == "answer":
-                start = pos - len(row.segments[-1][0])
-                for offset in self._answer_token_span(row.segments[-1][0]):
+                last = row.layout.segments[-1][0]
+                start = len(row.layout) - len(last)
+                for offset in answer_token_span(self.tokenizer, last):
                     answer_mask[b, start + offset] = True
-            response = self.tokenizer.decode(ids[len(row.prompt):], skip_special_tokens=True)
-            responses.append(response)
-            gold = row.example.golden_answers
-            rewards.append(float(self.reward_fn(response, gold)))
-            pred = extract_answer(response)
-            ems.append(exact_match(pred, gold))
-            f1s.append(f1_score(pred, gold))
+        scores = self._score(rows)
         traj = Trajectory(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            prompt_len=torch.tensor([len(r.prompt) for r in rows], dtype=torch.long),
-            loss_mask=loss_mask,
-            action_id=action_id,
+            input_ids=packed["input_ids"],
+            attention_mask=packed["attention_mask"],
+            prompt_len=packed["prompt_len"],
+            loss_mask=packed["loss_mask"],
+            action_id=packed["action_id"],
             answer_mask=answer_mask,
             group_id=torch.tensor([r.example.group_id for r in rows], dtype=torch.long),
-            reward=torch.tensor(rewards, dtype=torch.float32),
+            reward=torch.tensor(scores["reward"], dtype=torch.float32),
             num_searches=torch.tensor([r.searches for r in rows], dtype=torch.long),
             num_invalid=torch.tensor([r.invalid for r in rows], dtype=torch.long),
             num_actions=torch.tensor([r.actions for r in rows], dtype=torch.long),
             finish_reason=[r.finish for r in rows],
             data_source=[r.example.data_source for r in rows],
-            responses=responses,
+            responses=scores["responses"],
             questions=[r.example.question for r in rows],
             golden_answers=[list(r.example.golden_answers) for r in rows],
-            em=torch.tensor(ems, dtype=torch.float32),
-            f1=torch.tensor(f1s, dtype=torch.float32),
+            model_texts=scores["model_texts"],
+            answers=scores["answers"],
+            em=torch.tensor(scores["em"], dtype=torch.float32),
+            f1=torch.tensor(scores["f1"], dtype=torch.float32),
             sample_logp=sample_logp,
         )
         # The ids exactly as sampled, per rollout: tests check the trajectory never re-tokenised them.
-        traj.extras["sampled_ids"] = [[t for seg, act in r.segments if act >= 0 for t in seg] for r in rows]
+        traj.extras["sampled_ids"] = [[t for ids in r.layout.actions() for t in ids] for r in rows]
         return traj.to(device)
 
-    def _answer_token_span(self, action: list[int]) -> list[int]:
-        """Indices of the action's tokens that overlap its last <answer>...</answer> (char offsets
-        from prefix decoding, exact for any tokenizer)."""
-        text = self.tokenizer.decode(action, skip_special_tokens=False)
-        start = text.rfind("<answer>")
-        end = text.find("</answer>", start)
-        if start == -1 or end == -1:
-            return []
-        end += len("</answer>")
-        span, prev = [], 0
-        for i in range(len(action)):
-            cur = len(self.tokenizer.decode(action[: i + 1], skip_special_tokens=False))
-            if cur > start and prev < end:
-                span.append(i)
-            prev = cur
-            if prev >= end:
-                break
-        return span
+    def _score(self, rows: list[_Row]) -> dict[str, list]:
+        """Reward, EM and F1 from the model's own words only: the reward gets the text of its actions
+        (no observation, no invalid-action message); EM/F1 score the answer of its last action.
+        The full response text, observations included, is kept for logging."""
+        out: dict[str, list] = {k: [] for k in ("responses", "model_texts", "answers", "reward", "em", "f1")}
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        for row in rows:
+            actions = [decode(ids) for ids in row.layout.actions()]
+            text = "".join(actions)
+            answer = extract_answer(actions[-1]) if actions else None
+            gold = row.example.golden_answers
+            out["responses"].append(decode([t for ids, _ in row.layout.segments for t in ids]))
+            out["model_texts"].append(text)
+            out["answers"].append(answer)
+            out["reward"].append(float(self.reward_fn(text, gold)))
+            out["em"].append(exact_match(answer, gold))
+            out["f1"].append(f1_score(answer, gold))
+        return out
 
 
 @contextlib.contextmanager

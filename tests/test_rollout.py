@@ -138,3 +138,78 @@ def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.zero_()
+
+
+# -- the reward sees only the model's own words -----------------------------------------------------
+
+
+class _Recording:
+    """A plug-in reward that keeps what it was given."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __call__(self, response, golden_answers):
+        self.seen.append(response)
+        return self.inner(response, golden_answers)
+
+
+def test_invalid_action_without_answer_scores_nothing(tiny_policy, bm25, protocol_examples):
+    """The invalid-action message says "<answer> and </answer>": a rollout that made an invalid
+    action and never answered must get EM 0, F1 0 (not 0.5 against "Simon and Garfunkel") and
+    the format penalty."""
+    import dataclasses
+
+    from lldslight.rewards import F1Reward
+
+    model, tok = tiny_policy
+    examples = [dataclasses.replace(e, golden_answers=["Simon and Garfunkel"]) for e in protocol_examples]
+    cfg = dict(group_size=3, max_turns=1, max_new_tokens=12, max_response_tokens=120)
+    for reward, expected in ((F1Reward(), 0.0), (ExactMatchReward(format_penalty=0.1), -0.1)):
+        torch.manual_seed(4)
+        recorder = _Recording(reward)
+        engine = RolloutEngine(tok, bm25, recorder, RolloutConfig(**dict(cfg, topk=1, max_obs_tokens=80)))
+        traj = engine.generate(model, examples)
+        assert (traj.num_invalid > 0).sum() >= 3, "the random model should make invalid actions"
+        assert any(INVALID_ACTION.strip() in r for r in traj.responses)  # the message is in the context
+        assert traj.reward.tolist() == pytest.approx([expected] * len(traj))
+        assert traj.em.tolist() == [0.0] * len(traj) and traj.f1.tolist() == [0.0] * len(traj)
+        assert not any("<answer>" in t and "</answer>" in t for t in recorder.seen), "the random model never answers"
+        for seen, b in zip(recorder.seen, range(len(traj))):
+            assert "My previous action is invalid" not in seen and "<information>" not in seen
+            assert seen == "".join(tok.decode(ids, skip_special_tokens=True) for ids in _actions(traj, b))
+
+
+def _actions(traj, b):
+    ids, acts = traj.input_ids[b].tolist(), traj.action_id[b].tolist()
+    return [[t for t, a in zip(ids, acts) if a == k] for k in range(int(traj.num_actions[b]))]
+
+
+def test_a_passage_holding_an_answer_tag_never_counts(protocol_model, protocol_examples, synth_kb, tmp_path):
+    """A retrieved passage that contains "<answer> GOLD </answer>" is the environment's text, not the
+    model's: a rollout that ends right after reading it (response budget) scores 0."""
+    import json
+
+    from lldslight.retrieval import BM25Retriever
+
+    model, tok = protocol_model
+    golds = {e.golden_answers[0] for e in protocol_examples}
+    lines = []
+    for line in open(synth_kb["corpus"]):
+        doc = json.loads(line)
+        hit = [g for g in golds if g in doc["contents"]]
+        if hit:  # the tagged gold right after the title, inside the observation's first tokens
+            title, _, body = doc["contents"].partition("\n")
+            doc["contents"] = f"{title}\n<answer> {hit[0]} </answer> {body}"
+        lines.append(json.dumps(doc))
+    corpus = tmp_path / "tagged.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    retriever = BM25Retriever(corpus=str(corpus), show_progress=False)
+    engine = _engine(tok, retriever, group_size=1, greedy=True, topk=1, max_turns=2, max_new_tokens=24, max_obs_tokens=200, max_response_tokens=60)
+    traj = engine.generate(model, protocol_examples)
+    tagged = [b for b in range(len(traj)) if f"<answer> {traj.golden_answers[b][0]} </answer>" in traj.responses[b]]
+    assert tagged, "the observation should carry the tagged gold answer"
+    for b in tagged:
+        assert traj.finish_reason[b] == "length" and int(traj.num_searches[b]) == 1
+        assert float(traj.reward[b]) == 0.0 and float(traj.em[b]) == 0.0 and float(traj.f1[b]) == 0.0
+        assert not traj.answer_mask[b].any()
