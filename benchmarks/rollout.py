@@ -11,17 +11,23 @@ x G, with one forward per token, no retrieval and no observations. Runs alternat
 generate and medians are reported: tokens per second for both, and where the engine's time goes
 (prompt prefill, decoding, observation prefill, retrieval).
 
-Two of the engine's choices are measured directly:
+Three of the engine's choices are measured directly:
 - prefill once per group: the same rollouts with each prompt repeated G times and G=1 (no
   sharing) vs G rollouts sharing one prefilled prompt;
 - KV cache carried across turns: the observation prefill the engine pays vs re-encoding the whole
-  context at every turn boundary (timed as full forwards over the contexts at those boundaries).
+  context at every turn boundary (timed as full forwards over the contexts at those boundaries);
+- the sampler: inverse-CDF sampling with one uniform per row vs log-softmax + torch.multinomial
+  (what the engine did before), on [rows, vocabulary] logits, alternating, medians.
+``--baseline-rollout`` A/Bs a whole other engine (e.g. the turn-synchronous one of an older
+commit) in the same process, alternating with this one. Every run records the load average
+before and after it: on a shared machine only ratios of interleaved runs mean anything.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -67,12 +73,41 @@ def run_engine(mod, model, tok, retriever, examples, cfg_kw, G):
     engine = mod.RolloutEngine(tok, retriever, lambda text, gold: 0.0, mod.RolloutConfig(**cfg_kw))
     device = next(model.parameters()).device
     sync(device)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     traj = engine.generate(model, examples, group_size=G)
     sync(device)
     wall = time.perf_counter() - t0
     tokens = int(traj.loss_mask.sum())
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, **{k: float(v) for k, v in engine.stats.items()}}, traj
+    stats = {k: float(v) for k, v in engine.stats.items()}
+    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "load_before": load, "load_after": os.getloadavg()[0], **stats}, traj
+
+
+def sampler_ab(tok, rows: int, repeats: int, device) -> dict:
+    """Median seconds per call: the engine's inverse-CDF sampler vs log-softmax + multinomial."""
+    from lldslight.rollout import RolloutConfig, RolloutEngine
+
+    vocab = len(tok)
+    engine = RolloutEngine(tok, None, lambda text, gold: 0.0, RolloutConfig())
+    logits = torch.randn(rows, vocab, device=device) * 3
+
+    def old():
+        logp = torch.log_softmax(logits, -1)
+        tokens = torch.multinomial(logp.exp(), 1)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    def new():
+        return engine._sample(logits, torch.rand(rows, dtype=torch.float64, device=device))
+
+    times = {"multinomial": [], "inverse_cdf": []}
+    for _ in range(repeats):
+        for name, fn in (("multinomial", old), ("inverse_cdf", new)):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()[0].tolist()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"rows": rows, "vocab": vocab, "multinomial_s": med["multinomial"], "inverse_cdf_s": med["inverse_cdf"], "ratio": med["inverse_cdf"] / med["multinomial"]}
 
 
 def run_generate(model, tok, examples, G, new_tokens, temperature):
@@ -204,16 +239,25 @@ def main(argv=None):
         "retrieval_calls": med(eng, "retrieval_calls"),
         "decode_steps": med(eng, "decode_steps"),
         "compactions": med(eng, "compactions"),
+        "overlap_steps": med(eng, "overlap_steps"),
+        "retrieval_wait_s": med(eng, "retrieval_wait_s"),
+        "load_avg": [min(r["load_before"] for r in eng), max(r["load_after"] for r in eng)],
         "reencode_s": med(results["reencode"], "wall_s"),
         "runs": results,
     }
     report["tok_per_s_ratio"] = report["engine_tok_per_s"] / report["generate_tok_per_s"]
+    report["engine_over_generate"] = statistics.median(e["tok_per_s"] / g["tok_per_s"] for e, g in zip(eng, gen))  # side-by-side pairs
+    report["sampler"] = sampler_ab(tok, len(examples) * G, 50, device)
     if results["unshared"]:
         report["unshared_prefill_s"] = med(results["unshared"], "prefill_s")
         report["unshared_tok_per_s"] = med(results["unshared"], "tok_per_s")
     if results["baseline"]:
         report["baseline_tok_per_s"] = med(results["baseline"], "tok_per_s")
         report["baseline_wall_s"] = med(results["baseline"], "wall_s")
+        # per repeat, engine / baseline of the two runs taken side by side: robust to slow drifts in load
+        pairs = [e["tok_per_s"] / b["tok_per_s"] for e, b in zip(eng, results["baseline"])]
+        report["engine_over_baseline"] = statistics.median(pairs)
+        report["engine_over_baseline_runs"] = pairs
 
     print()
     print(
@@ -233,13 +277,17 @@ def main(argv=None):
     print(f"|{'-' * 30}|{'-' * 20}|{'-' * 17}|")
     for label, a, b in rows:
         print(f"| {label:28} | {a:>18} | {b:>15} |")
-    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f}")
+    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f} (median of side-by-side pairs: {report['engine_over_generate']:.2f})")
     if "unshared_prefill_s" in report:
         print(f"prefill once per group: {report['prefill_s']:.2f} s vs {report['unshared_prefill_s']:.2f} s unshared (G={G}); "
               f"whole rollout {report['engine_tok_per_s']:.1f} vs {report['unshared_tok_per_s']:.1f} tok/s")
     print(f"KV cache across turns: observation prefill {report['observation_s']:.2f} s vs {report['reencode_s']:.2f} s re-encoding contexts")
+    sam = report["sampler"]
+    print(f"sampler ({sam['rows']} x {sam['vocab']}): inverse CDF {1e3 * sam['inverse_cdf_s']:.2f} ms vs multinomial {1e3 * sam['multinomial_s']:.2f} ms ({sam['ratio']:.2f}x)")
+    print(f"load average over the engine runs: {report['load_avg'][0]:.1f} .. {report['load_avg'][1]:.1f}")
     if "baseline_tok_per_s" in report:
-        print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s")
+        print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s; "
+              f"engine / baseline, median of side-by-side pairs: {report['engine_over_baseline']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -1,17 +1,22 @@
 """Multi-turn, search-augmented generation: the Search-R1 protocol (PAPER.md §1), token-in/token-out.
 
-Each turn every live rollout decodes until ``</search>``, ``</answer>``, EOS or its token budget;
-then one retrieval call serves every rollout that searched, and the observation tokens are appended.
-The sampled ids are kept exactly as sampled (decoding and re-encoding the model's own text can
-change its tokens and so its log-probs); only observations are tokenised.
+Every rollout decodes a turn until ``</search>``, ``</answer>``, EOS or its token budget; then it
+ends, or an observation (the retrieved passages, or the invalid-action message) is appended and it
+decodes its next turn. The sampled ids are kept exactly as sampled (decoding and re-encoding the
+model's own text can change its tokens and so its log-probs); only observations are tokenised.
 
-Speed on one CPU or GPU comes from three choices (issue 6 measures them):
+Speed on one CPU or GPU comes from these choices (benchmarks/rollout.py measures them):
+- continuous batching: each row moves through its turns on its own. A row whose turn ends is
+  retrieved for in a worker thread (batched with every search queued at the time) while the others
+  keep decoding, and rejoins the decode batch as soon as its observation is prefilled; finished
+  rows leave the cache. No row waits for the slowest row of its turn;
 - a group's prompt is prefilled once and its KV cache shared by its G rollouts;
 - the KV cache is carried across turns: observations are appended to it, nothing is re-encoded;
-- rollouts that have answered leave the batch (their cache rows are dropped) between turns.
-Rows of different lengths share one cache with holes: the attention mask is 0 on the slots a row
-did not use, and position ids count only the row's real tokens, so each row sees exactly the
-context it would see alone.
+- one ragged cache: a row's tokens fill positions 0..length-1 of its own slot, a 4-D mask lets a
+  new token see its own row's earlier tokens only, and position ids are those positions, so each
+  row sees exactly the context it would see alone, with no holes to attend over;
+- sampling by inverse CDF with one uniform per row from the row's own random stream (no random
+  number per vocabulary entry; a row draws the same tokens whatever the scheduling around it).
 
 The reward sees only the model's own text (its actions; lldslight/rewards.py), and the answer
 scored for EM/F1 is the one in its last action.
@@ -25,13 +30,13 @@ import inspect
 import itertools
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from lldslight.data.example import QAExample
 from lldslight.policy import decoder_and_head
@@ -204,42 +209,41 @@ def answer_token_span(tokenizer, action: list[int]) -> list[int]:
 
 @dataclass
 class _Row:
+    """One rollout as it moves through its turns. phase: "decode" (sampling a turn), "wait" (its
+    search is queued or being retrieved), "ready" (an observation waits to be prefilled), "done"."""
+
     example: QAExample
     layout: Layout
+    noise: Optional[torch.Generator] = None  # this row's own random stream (sampling)
+    phase: str = "decode"
+    turn_index: int = 0
     turn: list[int] = field(default_factory=list)
     turn_logp: list[float] = field(default_factory=list)
+    budget: int = 0
     sample_logp: list[float] = field(default_factory=list)
     response_len: int = 0
     actions: int = 0
     searches: int = 0
     invalid: int = 0
     finish: str = ""
-    stopped: bool = False
+    _uniforms: list[float] = field(default_factory=list)
+
+    def uniform(self) -> float:
+        """The next number of the row's own uniform stream: a row samples the same tokens whatever
+        the batch around it (other rows' retrieval times decide when it runs, not what it draws)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(256, generator=self.noise, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
 
 
 @dataclass
-class _Batch:
-    """The live rows' shared decoding state. Slot s of the cache holds rows[live[s]].
+class _Slots:
+    """Cache slot s holds row ``rows[s]`` with ``length[s]`` tokens; ``logits`` [S, V] are the
+    slots' next-token logits (valid for the rows about to decode)."""
 
-    cache: per layer keys/values [S, kv_heads, L, head_dim]; slot s uses the positions where
-        attn[s] is 1 (holes where other rows advanced and it did not).
-    attn: [S, L] long, 1 on the cache positions a slot really uses.
-    next_pos: [S] long, the position id of each slot's next token (its real length so far).
-    logits: [S, V] float, each slot's next-token logits.
-    """
-
-    cache: DynamicCache
-    attn: Tensor
-    next_pos: Tensor
+    rows: list[int]
+    length: list[int]
     logits: Tensor
-    live: list[int]
-
-    def keep(self, slots: list[int]) -> None:
-        """Drop every slot not in ``slots`` (one copy of the cache)."""
-        index = torch.tensor(slots, device=self.attn.device)
-        self.cache.batch_select_indices(index)
-        self.attn, self.next_pos, self.logits = self.attn[index], self.next_pos[index], self.logits[index]
-        self.live = [self.live[s] for s in slots]
 
 
 class RolloutEngine:
@@ -282,121 +286,131 @@ class RolloutEngine:
     # -- decoding -------------------------------------------------------------------------------
 
     def _run(self, model: nn.Module, examples: list[QAExample], G: int, greedy: bool) -> list[_Row]:
-        """The rollouts of ``examples`` x G, step by step:
+        """The rollouts of ``examples`` x G, with continuous batching: no row waits for another.
+
+        Each row moves through its own turns (the first ``max_turns`` may search, the last may not):
+
+            decode --stop--> close the turn --answer / out of turns or budget--> done
+              ^                 | search                 | invalid action
+              |                 v                        v
+            prefill <--- observation <--- retrieval    the invalid-action message
+
+        Retrieval runs in a worker thread while the other rows decode. Step by step:
 
         1. prefill each distinct prompt once; its G rollouts share its cache rows;
-        then for each turn (the last one, ``max_turns``, may not search):
-        2. decode every live row until it stops (stop tag, EOS, its token budget);
-        3. close the turn: record each row's action and decide: answered / out of turns or budget
-           (the row ends) / searched / invalid (its observation is the invalid-action message);
-        4. one retrieval call for every row that searched; the passages are its observation.
-           Observations are cut to ``max_obs_tokens`` and to the response budget (a row whose
-           budget they use up ends: "length");
-        5. rows that ended leave the cache;
-        6. prefill the observations: each row's last sampled token and its observation in one block;
-        7. rows still open after the last turn end with "max_turns".
+        then, until no row decodes and no retrieval is in flight:
+        2. take the retrieval results that came back: the passages become observations (cut to
+           ``max_obs_tokens`` and to the response budget; a row whose budget ends is done);
+        3. send every queued search as one retrieval call, unless one is in flight;
+        4. prefill the observations that are ready (each row's last sampled token and its
+           observation in one block); those rows start their next turn;
+        5. nothing to decode: wait for the retrieval in flight;
+        6. sample one token for every decoding row; a row that stops (stop tag, EOS, its budget)
+           closes its turn: done, a queued search, or the invalid-action message as observation;
+        7. send the new searches (as in 3); drop finished rows from the cache once they are a
+           quarter of it;
+        8. one decode forward over every slot; rows not decoding write past their length (their
+           next real token overwrites it) and their outputs are ignored.
         """
-        cfg = self.config
-        decoder, head = decoder_and_head(model)
-        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
-        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-        forward = lambda ids, attn, pos, cache: decoder(  # noqa: E731
-            input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True
-        ).last_hidden_state
-        device = next(model.parameters()).device
-        self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0, "prefill_s": 0.0, "decode_s": 0.0, "observation_s": 0.0, "compactions": 0}
-
+        decoder = _Decoder(model)
+        device = decoder.device
+        self._eos = frozenset(self.eos_ids)
+        self.stats = dict.fromkeys(
+            ("decode_steps", "overlap_steps", "retrieval_s", "retrieval_wait_s", "retrieval_calls", "prefill_s", "decode_s", "observation_s", "compactions"), 0.0
+        )
         clock = time.perf_counter()
-        rows, batch = self._prefill_prompts(forward, head, examples, G, device)  # 1
+        rows, slots = self._prefill_prompts(decoder, examples, G, greedy)  # 1
         clock = self._tick("prefill_s", clock, device)
-        for turn in range(cfg.max_turns + 1):
-            final = turn == cfg.max_turns
-            turn_rows = list(batch.live)
-            self._decode_turn(forward, head, rows, batch, greedy, final)  # 2
-            clock = self._tick("decode_s", clock, device)
-            searches = [(r, q) for r in turn_rows if (q := self._close_turn(rows[r], final)) is not None]  # 3
-            self._retrieve(rows, searches)  # 4
-            keep = [s for s, r in enumerate(batch.live) if not rows[r].finish]  # 5
-            if not keep:
-                break
-            if len(keep) < len(batch.live):
-                batch.keep(keep)
-            clock = time.perf_counter()  # retrieval and bookkeeping are not observation prefill
-            self._prefill_observations(forward, head, rows, batch)  # 6
-            clock = self._tick("observation_s", clock, device)
-        for r in batch.live:  # 7
-            if not rows[r].finish:
-                rows[r].finish = "max_turns"
+        queue: list[tuple[int, str]] = []  # (row, query) not sent yet
+        inflight: Optional[Future] = None
+        with ThreadPoolExecutor(1, thread_name_prefix="lldslight-retrieval") as pool:
+
+            def send() -> None:
+                nonlocal inflight, queue
+                if inflight is None and queue:
+                    inflight, queue = pool.submit(self._search, queue), []
+
+            while True:
+                if inflight is not None and inflight.done():  # 2
+                    self._observe_results(rows, *inflight.result())
+                    inflight = None
+                send()  # 3
+                ready = [s for s, r in enumerate(slots.rows) if rows[r].phase == "ready"]
+                if ready:  # 4
+                    clock = time.perf_counter()
+                    self._prefill_observations(decoder, rows, slots, ready)
+                    clock = self._tick("observation_s", clock, device)
+                decoding = [s for s, r in enumerate(slots.rows) if rows[r].phase == "decode"]
+                if not decoding:  # 5
+                    if inflight is None:
+                        break
+                    t0 = time.perf_counter()
+                    wait([inflight])
+                    self.stats["retrieval_wait_s"] += time.perf_counter() - t0
+                    continue
+                clock = time.perf_counter()
+                fed = self._sample_step(rows, slots, decoding, greedy, queue)  # 6
+                send()  # 7
+                fed = self._compact(decoder, rows, slots, fed)
+                if fed:  # 8
+                    self._decode_forward(decoder, slots, fed)
+                    self.stats["overlap_steps"] += inflight is not None and not inflight.done()
+                clock = self._tick("decode_s", clock, device)
         return rows
 
-    def _prefill_prompts(self, forward, head, examples: list[QAExample], G: int, device) -> tuple[list[_Row], _Batch]:
-        """Step 1: each distinct prompt prefilled once (left-padded), its cache rows repeated G times."""
+    def _prefill_prompts(self, decoder: "_Decoder", examples: list[QAExample], G: int, greedy: bool) -> tuple[list[_Row], "_Slots"]:
+        """Step 1: every distinct prompt prefilled in one right-padded forward; each prompt's cache
+        row and logits repeated for its G rollouts. Each sampled row gets its own random stream,
+        seeded from torch's global generator (so ``torch.manual_seed`` fixes every rollout)."""
         prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
-        rows = [_Row(example=ex, layout=Layout(list(p))) for ex, p in zip(examples, prompts) for _ in range(G)]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)  # [P, W]
-        attn = torch.zeros_like(ids)
+        seeds = [None] * (len(prompts) * G) if greedy else torch.randint(2**62, (len(prompts) * G,)).tolist()
+        pairs = [(ex, p) for ex, p in zip(examples, prompts) for _ in range(G)]
+        rows = [_Row(ex, Layout(list(p)), None if seed is None else torch.Generator().manual_seed(seed)) for (ex, p), seed in zip(pairs, seeds)]
+        P, width, device = len(prompts), max(len(p) for p in prompts), decoder.device
+        ids = torch.full((P, width), self.pad_id, dtype=torch.long, device=device)  # [P, W]
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, device=device)
-            attn[i, width - len(p):] = 1
-        cache = _growing_cache()
-        hidden = forward(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), cache)  # [P, W, D]
-        logits = head(hidden[:, -1]).float()  # [P, V]
+            ids[i, : len(p)] = torch.tensor(p, device=device)
+        at = torch.arange(width, device=device).expand(P, width)  # [P, W]
+        hidden = decoder(ids, at)  # [P, W, D]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        logits = decoder.logits(hidden[torch.arange(P, device=device), last])  # [P, V]
         if G > 1:
-            cache.batch_repeat_interleave(G)  # [P*G, kv_heads, W, head_dim] per layer
-            attn = attn.repeat_interleave(G, dim=0)
+            decoder.cache.repeat_rows(G)  # [P*G, kv_heads, C, head_dim] per layer
             logits = logits.repeat_interleave(G, dim=0)
-        return rows, _Batch(cache, attn, attn.sum(-1), logits, list(range(len(rows))))
+        for row in rows:
+            self._start_turn(row)
+        return rows, _Slots(rows=list(range(len(rows))), length=[len(p) for p in prompts for _ in range(G)], logits=logits)
 
-    def _decode_turn(self, forward, head, rows: list[_Row], batch: _Batch, greedy: bool, final: bool) -> None:
-        """Step 2: one token per live row per forward until every row has stopped. A stopped row
-        stays in the batch (fed nothing: a hole) unless its rollout is over; those leave once they
-        are a quarter of the batch (one copy of the cache, amortised over many steps)."""
+    def _start_turn(self, row: _Row) -> None:
         cfg = self.config
-        eos = set(self.eos_ids)
-        for r in batch.live:
-            rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
-        # >= 1: a row still live has room left in its response budget
-        budget = {r: min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in batch.live}
-        running = len(batch.live)
-        done: set[int] = set()  # rows whose rollout ended this turn: they may leave the batch now
-        while running:
-            tokens, token_logp = self._sample(batch.logits, greedy)
-            tok_list, logp_list = tokens.tolist(), token_logp.tolist()  # one host transfer per step
-            feed, fed = [self.pad_id] * len(batch.live), [0] * len(batch.live)
-            for slot, r in enumerate(batch.live):
-                row = rows[r]
-                if row.stopped:
-                    continue
-                tok = tok_list[slot]
-                row.turn.append(tok)
-                row.turn_logp.append(logp_list[slot])
-                if tok in eos or len(row.turn) >= budget[r] or (tok in self._tag_closers and self._hit_stop(row.turn)):
-                    row.stopped = True  # its last token is fed later, with the observation
-                    running -= 1
-                    if final or parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))[0] == "answer":
-                        done.add(r)
-                else:
-                    feed[slot], fed[slot] = tok, 1
-            if not running:
-                break
-            n_done = sum(r in done for r in batch.live)
-            if n_done and 4 * n_done >= len(batch.live):
-                keep = [s for s, r in enumerate(batch.live) if r not in done]
-                feed, fed = [feed[s] for s in keep], [fed[s] for s in keep]
-                batch.keep(keep)
-                self.stats["compactions"] += 1
-            step_ids = torch.tensor(feed, dtype=torch.long, device=batch.attn.device).unsqueeze(-1)  # [S, 1]
-            step_mask = torch.tensor(fed, dtype=batch.attn.dtype, device=batch.attn.device).unsqueeze(-1)  # [S, 1]
-            batch.attn = torch.cat([batch.attn, step_mask], dim=1)  # [S, L+1]: a hole where a row was not fed
-            hidden = forward(step_ids, batch.attn, batch.next_pos.unsqueeze(-1).clone(), batch.cache)  # [S, 1, D]
-            batch.logits = head(hidden[:, -1]).float()  # [S, V]
-            batch.next_pos = batch.next_pos + step_mask[:, 0].to(batch.next_pos.dtype)
-            self.stats["decode_steps"] += 1
+        row.phase, row.turn, row.turn_logp = "decode", [], []
+        # >= 1: a row that is not done has room left in its response budget
+        row.budget = min(cfg.max_new_tokens, cfg.max_response_tokens - row.response_len)
 
-    def _close_turn(self, row: _Row, final: bool) -> Optional[str]:
-        """Step 3: record the turn as the row's next action and decide what follows; returns the
-        query when the row searched."""
+    def _sample_step(self, rows: list[_Row], slots: "_Slots", decoding: list[int], greedy: bool, queue: list[tuple[int, str]]) -> dict[int, int]:
+        """Step 6: one token for every decoding slot; returns {slot: token} for the rows that go on
+        (a row's stopping token is fed later, with its observation)."""
+        logits = slots.logits
+        if len(decoding) < len(slots.rows):
+            logits = logits[torch.tensor(decoding, device=logits.device)]  # [B, V]
+        u = None if greedy else torch.tensor([rows[slots.rows[s]].uniform() for s in decoding], device=logits.device)
+        tokens, token_logp = self._sample(logits, u)
+        fed = {}
+        for s, tok, logp in zip(decoding, tokens.tolist(), token_logp.tolist()):  # one host transfer
+            row = rows[slots.rows[s]]
+            row.turn.append(tok)
+            row.turn_logp.append(logp)
+            if tok in self._eos or len(row.turn) >= row.budget or (tok in self._tag_closers and self._hit_stop(row.turn)):
+                query = self._close_turn(row)
+                if query is not None:
+                    queue.append((slots.rows[s], query))
+            else:
+                fed[s] = tok
+        return fed
+
+    def _close_turn(self, row: _Row) -> Optional[str]:
+        """Record the turn as the row's next action and decide what follows; returns the query when
+        the row searched."""
         cfg = self.config
         row.layout.add(row.turn, row.actions)
         row.sample_logp.extend(row.turn_logp)
@@ -405,24 +419,29 @@ class RolloutEngine:
         kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
         if kind == "answer":
             row.finish = "answer"
-        elif final:
+        elif row.turn_index == cfg.max_turns:
             row.finish = "max_turns"
         elif row.response_len >= cfg.max_response_tokens:
             row.finish = "length"
         elif kind == "search" and content:
+            row.phase = "wait"
             return content
         else:
             row.invalid += 1
             self._observe(row, INVALID_ACTION)
+        if row.finish:
+            row.phase = "done"
         return None
 
-    def _retrieve(self, rows: list[_Row], searches: list[tuple[int, str]]) -> None:
-        """Step 4: one retrieval call for every (row, query); the passages become observations."""
-        if not searches:
-            return
+    def _search(self, searches: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], list, float]:
+        """One retrieval call (in the worker thread)."""
         t0 = time.perf_counter()
         results = self.retriever.search([q for _, q in searches], self.config.topk)
-        self.stats["retrieval_s"] += time.perf_counter() - t0
+        return searches, results, time.perf_counter() - t0
+
+    def _observe_results(self, rows: list[_Row], searches: list[tuple[int, str]], results: list, seconds: float) -> None:
+        """Step 2: the passages of a finished retrieval call become the rows' observations."""
+        self.stats["retrieval_s"] += seconds
         self.stats["retrieval_calls"] += 1
         if len(results) != len(searches):
             raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
@@ -437,24 +456,56 @@ class RolloutEngine:
         row.layout.add(obs, -1)
         row.response_len += len(obs)
         if row.response_len >= self.config.max_response_tokens:
-            row.finish = "length"
+            row.finish, row.phase = "length", "done"
+        else:
+            row.phase = "ready"
 
-    def _prefill_observations(self, forward, head, rows: list[_Row], batch: _Batch) -> None:
-        """Step 6: each live row's last sampled token (never fed while decoding) plus its
-        observation, as one right-padded block appended to the cache."""
-        blocks = [[rows[r].layout.segments[-2][0][-1]] + rows[r].layout.segments[-1][0] for r in batch.live]
-        S, width, device = len(blocks), max(len(b) for b in blocks), batch.attn.device
-        ids = torch.full((S, width), self.pad_id, dtype=torch.long, device=device)  # [S, W]
-        block_mask = torch.zeros((S, width), dtype=batch.attn.dtype, device=device)  # [S, W]
-        for slot, b in enumerate(blocks):
-            ids[slot, : len(b)] = torch.tensor(b, device=device)
-            block_mask[slot, : len(b)] = 1
-        batch.attn = torch.cat([batch.attn, block_mask], dim=1)  # [S, L+W]
-        pos = batch.next_pos.unsqueeze(-1) + (block_mask.cumsum(-1) - 1).clamp(min=0)  # [S, W]
-        hidden = forward(ids, batch.attn, pos, batch.cache)  # [S, W, D]
-        lengths = block_mask.sum(-1).long()  # [S]
-        batch.logits = head(hidden[torch.arange(S, device=device), lengths - 1]).float()  # [S, V]
-        batch.next_pos = batch.next_pos + lengths.to(batch.next_pos.dtype)
+    def _prefill_observations(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", ready: list[int]) -> None:
+        """Step 4: for the ``ready`` slots only, each row's last sampled token (never fed while
+        decoding) and its observation as one right-padded block written at the row's length."""
+        blocks = [[rows[r].layout.segments[-2][0][-1]] + rows[r].layout.segments[-1][0] for r in (slots.rows[s] for s in ready)]
+        B, width, device = len(blocks), max(len(b) for b in blocks), decoder.device
+        ids = torch.full((B, width), self.pad_id, dtype=torch.long, device=device)  # [B, W]
+        for i, b in enumerate(blocks):
+            ids[i, : len(b)] = torch.tensor(b, device=device)
+        index = torch.tensor(ready, device=device)
+        at = torch.tensor([slots.length[s] for s in ready], device=device).unsqueeze(-1) + torch.arange(width, device=device)  # [B, W]
+        hidden = decoder(ids, at, rows=index)  # [B, W, D]
+        last = torch.tensor([len(b) - 1 for b in blocks], device=device)
+        slots.logits[index] = decoder.logits(hidden[torch.arange(B, device=device), last])  # [B, V]
+        for s, b in zip(ready, blocks):
+            slots.length[s] += len(b)
+            row = rows[slots.rows[s]]
+            row.turn_index += 1
+            self._start_turn(row)
+
+    def _compact(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", fed: dict[int, int]) -> dict[int, int]:
+        """Step 7: finished rows leave the cache once they are a quarter of it (one copy of the
+        cache, amortised over many steps); returns ``fed`` renumbered to the new slots."""
+        done = sum(rows[r].phase == "done" for r in slots.rows)
+        if not done or 4 * done < len(slots.rows):
+            return fed
+        keep = [s for s, r in enumerate(slots.rows) if rows[r].phase != "done"]
+        index = torch.tensor(keep, dtype=torch.long, device=decoder.device)
+        decoder.cache.keep_rows(index)
+        slots.logits = slots.logits[index]
+        slots.rows, slots.length = [slots.rows[s] for s in keep], [slots.length[s] for s in keep]
+        self.stats["compactions"] += 1
+        renumber = {s: i for i, s in enumerate(keep)}
+        return {renumber[s]: tok for s, tok in fed.items()}
+
+    def _decode_forward(self, decoder: "_Decoder", slots: "_Slots", fed: dict[int, int]) -> None:
+        """Step 8: one token per slot at its length: the fed rows' sampled tokens (the others' pad
+        lands where their next real token will be written)."""
+        device = decoder.device
+        feed = [fed.get(s, self.pad_id) for s in range(len(slots.rows))]
+        ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)  # [S, 1]
+        at = torch.tensor(slots.length, device=device).unsqueeze(-1)  # [S, 1]
+        hidden = decoder(ids, at)  # [S, 1, D]
+        slots.logits = decoder.logits(hidden[:, -1])  # [S, V]: valid on the fed slots (others refill at prefill)
+        for s in fed:
+            slots.length[s] += 1
+        self.stats["decode_steps"] += 1
 
     def _tick(self, key: str, since: float, device: torch.device) -> float:
         if device.type == "cuda":
@@ -463,14 +514,22 @@ class RolloutEngine:
         self.stats[key] += now - since
         return now
 
-    def _sample(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
+    def _sample(self, logits: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """(tokens [B], their log-probs [B]) from logits [B, V]: the argmax when ``u`` is None, else
+        by inverse CDF: the first token whose cumulative probability exceeds u [B] (one uniform per
+        row, from its own stream). One exp and one in-place cumulative sum over the vocabulary:
+        no log-softmax copy, and no random number per vocabulary entry (torch.multinomial draws an
+        exponential per entry). Log-probs are of the temperature-scaled softmax; top-k/top-p only
+        restrict which tokens can be drawn."""
         cfg = self.config
-        if greedy:
+        if u is None:
             tokens = logits.argmax(-1)
-            return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+            return tokens, logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         scaled = logits / cfg.temperature if cfg.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, -1)
+        top = scaled.amax(-1, keepdim=True)  # [B, 1]
+        weights = (scaled - top).exp_()  # [B, V] unnormalised probabilities
         if cfg.top_k > 0 or cfg.top_p < 1.0:
+            log_z = weights.sum(-1).log()
             filtered = scaled
             if cfg.top_k > 0:
                 kth = torch.topk(filtered, min(cfg.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
@@ -479,13 +538,15 @@ class RolloutEngine:
                 from transformers.generation.logits_process import TopPLogitsWarper
 
                 filtered = TopPLogitsWarper(top_p=cfg.top_p)(None, filtered)
-            probs = torch.softmax(filtered, -1)
+            cdf = (filtered - top).exp_().cumsum_(-1)  # [B, V]
         else:
-            probs = logp.exp()  # the same distribution: no second softmax over the vocabulary
-        # multinomial, not an exponential race: on CPU drawing one random number per vocabulary
-        # entry costs more than the whole softmax (measured in benchmarks/rollout.py's notes).
-        tokens = torch.multinomial(probs, 1)[:, 0]
-        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+            cdf = weights.cumsum_(-1)  # [B, V], in place
+            log_z = cdf[:, -1].log()
+        total = cdf[:, -1:]  # [B, 1]
+        # strictly below the total, so some entry exceeds it; that entry's own weight is > 0
+        x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, x, right=True)[:, 0]
+        return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - top[:, 0] - log_z
 
     @functools.cached_property
     def _tag_closers(self) -> frozenset[int]:
@@ -590,61 +651,96 @@ def _lora_folded(model: nn.Module) -> Iterator[None]:
                 weight.data = data
 
 
-class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in a buffer with spare room along the sequence:
-    appending a token writes into it, instead of torch.cat re-allocating and copying the whole cache
-    at every step (quadratic in the length; the largest non-matmul cost of CPU decoding). The
-    attention reads a view of the filled part."""
+class _RaggedCache(DynamicCache):
+    """The KV cache of one rollout batch: per layer, keys and values in buffers
+    [S, kv_heads, C, head_dim] (S slots, capacity C), slot s holding its row's tokens at positions
+    0..length-1 (left-aligned, no holes: each row attends over its own length only). Before a
+    forward the engine sets which slots take part (``rows``, None = all) and where each new token
+    goes (``at``: [B, q] positions, also its position ids); a row's padding tokens write past its
+    length, where its next real tokens overwrite them. A buffer grows geometrically (O(1) amortised
+    copies per token), never by concatenating at every step."""
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._kbuf = self._vbuf = None
-            self._len = 0
-        need = self._len + key_states.shape[-2]
-        if self._kbuf is None or need > self._kbuf.shape[-2] or self._kbuf.shape[0] != key_states.shape[0]:
-            self._grow(key_states, value_states, need)
-        self._kbuf[:, :, self._len : need] = key_states
-        self._vbuf[:, :, self._len : need] = value_states
-        self._len = need
-        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
-        return self.keys, self.values
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.rows: Optional[Tensor] = None
+        self.at: Optional[Tensor] = None
+        self.kv_len = 0
+        self.capacity = 0
 
-    def _grow(self, key_states: Tensor, value_states: Tensor, need: int) -> None:
-        capacity = max(need + 64, int(need * 1.5))  # geometric: O(1) amortised copies per token
-        kbuf = key_states.new_empty(key_states.shape[:2] + (capacity, key_states.shape[-1]))
-        vbuf = value_states.new_empty(value_states.shape[:2] + (capacity, value_states.shape[-1]))
-        if self._len:
-            kbuf[:, :, : self._len] = self.keys
-            vbuf[:, :, : self._len] = self.values
-        self._kbuf, self._vbuf = kbuf, vbuf
+    def prepare(self, at: Tensor, rows: Optional[Tensor]) -> int:
+        """Set up the next forward; returns the key length every query attends over."""
+        self.at, self.rows = at, rows
+        self.kv_len = int(at.max()) + 1
+        if self.kv_len > self.capacity:
+            self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
+        return self.kv_len
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized and self._len:
-            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
-            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
-            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
+        if layer_idx == len(self.k):
+            shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
+            self.k.append(key_states.new_zeros(shape))
+            self.v.append(value_states.new_zeros(shape))
+        if self.k[layer_idx].shape[2] < self.capacity:
+            self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.rows is None:  # every slot: scatter along the sequence, and attend over views (no copy)
+            index = self.at[:, None, :, None].expand(key_states.shape)  # [S, kv_heads, q, head_dim]
+            k.scatter_(2, index, key_states)
+            v.scatter_(2, index, value_states)
+            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
+        k[self.rows[:, None], :, self.at] = key_states.transpose(1, 2)  # indexed as [B, q, kv_heads, head_dim]
+        v[self.rows[:, None], :, self.at] = value_states.transpose(1, 2)
+        return k[self.rows, :, : self.kv_len], v[self.rows, :, : self.kv_len]  # copies: [B, kv_heads, kv_len, head_dim]
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized and self._len:
-            self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
-            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
+    def _grown(self, buf: Tensor) -> Tensor:
+        out = buf.new_zeros(buf.shape[:2] + (self.capacity, buf.shape[-1]))
+        out[:, :, : buf.shape[2]] = buf
+        return out
 
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if self.is_initialized and self.keys is not None:
-            self._len = self.keys.shape[-2]
+    def repeat_rows(self, repeats: int) -> None:
+        self.k = [k.repeat_interleave(repeats, dim=0) for k in self.k]
+        self.v = [v.repeat_interleave(repeats, dim=0) for v in self.v]
 
-    def reset(self) -> None:
-        self._kbuf = self._vbuf = None
-        self._len = 0
-        super().reset()
+    def keep_rows(self, index: Tensor) -> None:
+        self.k = [k[index] for k in self.k]
+        self.v = [v[index] for v in self.v]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
 
 
-def _growing_cache():
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _GrowingLayer  # layers are created on first use
-    return cache
+class _Decoder:
+    """The policy's decoder and LM head over a ragged cache: new tokens at explicit positions, with
+    the 4-D mask that lets each see its own row's earlier tokens and nothing else."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.decoder, self.head = decoder_and_head(model)
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+        if impl not in (None, "sdpa", "eager"):
+            raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
+        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+        self.cache = _RaggedCache()
+
+    def __call__(self, ids: Tensor, at: Tensor, rows: Optional[Tensor] = None) -> Tensor:
+        """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot).
+        Returns the last hidden states [B, q, D]."""
+        kv_len = self.cache.prepare(at, rows)
+        keys = torch.arange(kv_len, device=self.device)
+        visible = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        out = self.decoder(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=at, **{self.cache_arg: self.cache}, use_cache=True)
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden).float()
 
 
 def _eos_ids(tokenizer) -> list[int]:
