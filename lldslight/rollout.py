@@ -723,9 +723,8 @@ class _Decoder:
             raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
-        param = next(model.parameters())
-        self.device = param.device
-        self.dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+        embeddings = model.get_input_embeddings().weight  # the hidden states' dtype (weights may be packed 4-bit)
+        self.device, self.dtype = embeddings.device, embeddings.dtype
         self.cache = _RaggedCache()
 
     def __call__(self, ids: Tensor, at: Tensor, rows: Optional[Tensor] = None) -> Tensor:
