@@ -69,18 +69,21 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_engine(mod, model, tok, retriever, examples, cfg_kw, G):
+def run_engine(mod, model, tok, retriever, examples, cfg_kw, G, stop_every: int = 0):
     engine = mod.RolloutEngine(tok, retriever, lambda text, gold: 0.0, mod.RolloutConfig(**cfg_kw))
+    if stop_every:  # turns end at scattered steps, as a policy that searches and answers ends them
+        engine.eos_ids = sorted(set(engine.eos_ids) | set(range(0, len(tok), stop_every)))
     device = next(model.parameters()).device
     sync(device)
     load = os.getloadavg()[0]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     traj = engine.generate(model, examples, group_size=G)
     sync(device)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = int(traj.loss_mask.sum())
     stats = {k: float(v) for k, v in engine.stats.items()}
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "load_before": load, "load_after": os.getloadavg()[0], **stats}, traj
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall, "cpu_tok_per_s": tokens / cpu,
+            "load_before": load, "load_after": os.getloadavg()[0], **stats}, traj
 
 
 def sampler_ab(tok, rows: int, repeats: int, device) -> dict:
@@ -120,16 +123,16 @@ def run_generate(model, tok, examples, G, new_tokens, temperature):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
         )
     sync(device)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = (out.shape[1] - width) * out.shape[0]
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall, "cpu_tok_per_s": tokens / cpu}
 
 
 def reencode_cost(model, traj, turns: int) -> float:
@@ -180,6 +183,9 @@ def main(argv=None):
     p.add_argument("--random-init", default=None, help="JSON config overrides: a random model of that shape instead of the demo weights")
     p.add_argument("--baseline-rollout", default=None, help="another rollout.py to A/B against this one (e.g. an older version)")
     p.add_argument("--skip-sharing", action="store_true", help="skip the prefill-sharing A/B")
+    p.add_argument("--stop-every", type=int, default=0,
+                   help="also end a turn at every N-th token id: rows end turns at scattered steps, as a searching policy's do "
+                        "(the demo model never writes a tag, so without it every row runs each turn to its budget in lockstep)")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -205,22 +211,22 @@ def main(argv=None):
         engines["baseline"] = load_engine_module(args.baseline_rollout)
 
     torch.manual_seed(args.seed)
-    run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)  # warm-up
+    run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G, args.stop_every)  # warm-up
     results: dict[str, list[dict]] = {k: [] for k in list(engines) + ["generate", "unshared", "reencode"]}
     for rep in range(args.repeats):
         torch.manual_seed(args.seed + rep)
-        res, traj = run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)
+        res, traj = run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G, args.stop_every)
         results["engine"].append(res)
         per_row = max(1, round(res["tokens"] / len(traj)))
         results["generate"].append(run_generate(model, tok, examples, G, per_row, 1.0))
         results["reencode"].append({"wall_s": reencode_cost(model, traj, args.max_turns)})
         if "baseline" in engines:
             torch.manual_seed(args.seed + rep)
-            results["baseline"].append(run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G)[0])
+            results["baseline"].append(run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G, args.stop_every)[0])
         if not args.skip_sharing:
             torch.manual_seed(args.seed + rep)
             repeated = [ex for ex in examples for _ in range(G)]
-            results["unshared"].append(run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1)[0])
+            results["unshared"].append(run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1, args.stop_every)[0])
         print(f"[rollout] repeat {rep + 1}/{args.repeats}: engine {res['tok_per_s']:.1f} tok/s, generate {results['generate'][-1]['tok_per_s']:.1f} tok/s", flush=True)
 
     med = lambda runs, key: statistics.median(r[key] for r in runs) if runs and key in runs[0] else float("nan")  # noqa: E731
@@ -247,6 +253,8 @@ def main(argv=None):
     }
     report["tok_per_s_ratio"] = report["engine_tok_per_s"] / report["generate_tok_per_s"]
     report["engine_over_generate"] = statistics.median(e["tok_per_s"] / g["tok_per_s"] for e, g in zip(eng, gen))  # side-by-side pairs
+    # CPU seconds of this process: less inflated than wall time by other processes on a shared machine
+    report["engine_over_generate_cpu"] = statistics.median(e["cpu_tok_per_s"] / g["cpu_tok_per_s"] for e, g in zip(eng, gen))
     report["sampler"] = sampler_ab(tok, len(examples) * G, 50, device)
     if results["unshared"]:
         report["unshared_prefill_s"] = med(results["unshared"], "prefill_s")
@@ -258,6 +266,7 @@ def main(argv=None):
         pairs = [e["tok_per_s"] / b["tok_per_s"] for e, b in zip(eng, results["baseline"])]
         report["engine_over_baseline"] = statistics.median(pairs)
         report["engine_over_baseline_runs"] = pairs
+        report["engine_over_baseline_cpu"] = statistics.median(e["cpu_tok_per_s"] / b["cpu_tok_per_s"] for e, b in zip(eng, results["baseline"]))
 
     print()
     print(
@@ -277,7 +286,8 @@ def main(argv=None):
     print(f"|{'-' * 30}|{'-' * 20}|{'-' * 17}|")
     for label, a, b in rows:
         print(f"| {label:28} | {a:>18} | {b:>15} |")
-    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f} (median of side-by-side pairs: {report['engine_over_generate']:.2f})")
+    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f} (median of side-by-side pairs: {report['engine_over_generate']:.2f}; "
+          f"per CPU second: {report['engine_over_generate_cpu']:.2f})")
     if "unshared_prefill_s" in report:
         print(f"prefill once per group: {report['prefill_s']:.2f} s vs {report['unshared_prefill_s']:.2f} s unshared (G={G}); "
               f"whole rollout {report['engine_tok_per_s']:.1f} vs {report['unshared_tok_per_s']:.1f} tok/s")
@@ -287,7 +297,7 @@ def main(argv=None):
     print(f"load average over the engine runs: {report['load_avg'][0]:.1f} .. {report['load_avg'][1]:.1f}")
     if "baseline_tok_per_s" in report:
         print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s; "
-              f"engine / baseline, median of side-by-side pairs: {report['engine_over_baseline']:.2f}x")
+              f"engine / baseline, median of side-by-side pairs: {report['engine_over_baseline']:.2f}x (per CPU second: {report['engine_over_baseline_cpu']:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

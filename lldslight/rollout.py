@@ -470,7 +470,7 @@ class RolloutEngine:
             ids[i, : len(b)] = torch.tensor(b, device=device)
         index = torch.tensor(ready, device=device)
         at = torch.tensor([slots.length[s] for s in ready], device=device).unsqueeze(-1) + torch.arange(width, device=device)  # [B, W]
-        hidden = decoder(ids, at, rows=index)  # [B, W, D]
+        hidden = decoder(ids, at, rows=None if B == len(slots.rows) else index)  # [B, W, D]
         last = torch.tensor([len(b) - 1 for b in blocks], device=device)
         slots.logits[index] = decoder.logits(hidden[torch.arange(B, device=device), last])  # [B, V]
         for s, b in zip(ready, blocks):
