@@ -355,7 +355,8 @@ class RolloutEngine:
                 if fed:  # 8
                     self._decode_forward(decoder, slots, fed)
                     self.stats["overlap_steps"] += inflight is not None and not inflight.done()
-                clock = self._tick("decode_s", clock, device)
+                # no device sync: sampling the next token waits for this step anyway
+                self.stats["decode_s"] += time.perf_counter() - clock
         return rows
 
     def _prefill_prompts(self, decoder: "_Decoder", examples: list[QAExample], G: int, greedy: bool) -> tuple[list[_Row], "_Slots"]:
@@ -371,7 +372,7 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, device=device)
         at = torch.arange(width, device=device).expand(P, width)  # [P, W]
-        hidden = decoder(ids, at)  # [P, W, D]
+        hidden = decoder(ids, at, width)  # [P, W, D]
         last = torch.tensor([len(p) - 1 for p in prompts], device=device)
         logits = decoder.logits(hidden[torch.arange(P, device=device), last])  # [P, V]
         if G > 1:
@@ -470,7 +471,8 @@ class RolloutEngine:
             ids[i, : len(b)] = torch.tensor(b, device=device)
         index = torch.tensor(ready, device=device)
         at = torch.tensor([slots.length[s] for s in ready], device=device).unsqueeze(-1) + torch.arange(width, device=device)  # [B, W]
-        hidden = decoder(ids, at, rows=None if B == len(slots.rows) else index)  # [B, W, D]
+        kv_len = max(slots.length[s] for s in ready) + width
+        hidden = decoder(ids, at, kv_len, rows=None if B == len(slots.rows) else index)  # [B, W, D]
         last = torch.tensor([len(b) - 1 for b in blocks], device=device)
         slots.logits[index] = decoder.logits(hidden[torch.arange(B, device=device), last])  # [B, V]
         for s, b in zip(ready, blocks):
@@ -501,7 +503,7 @@ class RolloutEngine:
         feed = [fed.get(s, self.pad_id) for s in range(len(slots.rows))]
         ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)  # [S, 1]
         at = torch.tensor(slots.length, device=device).unsqueeze(-1)  # [S, 1]
-        hidden = decoder(ids, at)  # [S, 1, D]
+        hidden = decoder(ids, at, max(slots.length) + 1)  # [S, 1, D]
         slots.logits = decoder.logits(hidden[:, -1])  # [S, V]: valid on the fed slots (others refill at prefill)
         for s in fed:
             slots.length[s] += 1
@@ -669,13 +671,12 @@ class _RaggedCache(DynamicCache):
         self.kv_len = 0
         self.capacity = 0
 
-    def prepare(self, at: Tensor, rows: Optional[Tensor]) -> int:
-        """Set up the next forward; returns the key length every query attends over."""
-        self.at, self.rows = at, rows
-        self.kv_len = int(at.max()) + 1
+    def prepare(self, at: Tensor, rows: Optional[Tensor], kv_len: int) -> None:
+        """Set up the next forward: keys 0..kv_len-1 (kv_len > every position in ``at``; the
+        engine knows it on the host, so no device sync)."""
+        self.at, self.rows, self.kv_len = at, rows, kv_len
         if self.kv_len > self.capacity:
             self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
-        return self.kv_len
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
@@ -727,10 +728,10 @@ class _Decoder:
         self.device, self.dtype = embeddings.device, embeddings.dtype
         self.cache = _RaggedCache()
 
-    def __call__(self, ids: Tensor, at: Tensor, rows: Optional[Tensor] = None) -> Tensor:
-        """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot).
-        Returns the last hidden states [B, q, D]."""
-        kv_len = self.cache.prepare(at, rows)
+    def __call__(self, ids: Tensor, at: Tensor, kv_len: int, rows: Optional[Tensor] = None) -> Tensor:
+        """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot);
+        kv_len: one more than the largest position. Returns the last hidden states [B, q, D]."""
+        self.cache.prepare(at, rows, kv_len)
         keys = torch.arange(kv_len, device=self.device)
         visible = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
