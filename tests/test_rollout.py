@@ -300,3 +300,16 @@ def test_inverse_cdf_sampling_follows_the_distribution(tiny_policy):
         freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
         assert torch.allclose(freq, target, atol=0.01), (kw, freq, target)
         assert freq[~allowed].sum() == 0
+
+
+def test_attention_without_custom_masks_is_refused(tiny_policy, bm25, protocol_examples):
+    """The ragged cache needs 4-D masks: an attention that cannot take them is named, not misused."""
+    model, tok = tiny_policy
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="flash_attention_2"):
+            _engine(tok, bm25).generate(model, protocol_examples)
+    finally:
+        config._attn_implementation = before
