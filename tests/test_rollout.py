@@ -274,6 +274,7 @@ def test_sampling_does_not_depend_on_scheduling(protocol_model, bm25, protocol_e
     engine = _engine(tok, slow, **kw)
     again = engine.generate(model, protocol_examples)
     assert int(fast.num_searches.sum()) >= 3 and len(slow.calls) >= 2
+    assert engine.stats["overlap_steps"] > 0, "the delays should have reordered the rows' work"
     assert again.extras["sampled_ids"] == fast.extras["sampled_ids"]
     assert torch.allclose(again.sample_logp, fast.sample_logp, atol=1e-4)
 
