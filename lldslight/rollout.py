@@ -722,6 +722,7 @@ class _Decoder:
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         if impl not in (None, "sdpa", "eager"):
             raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
+        self.additive_mask = impl == "eager"  # eager adds the mask to the scores; sdpa takes a boolean one
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
         embeddings = model.get_input_embeddings().weight  # the hidden states' dtype (weights may be packed 4-bit)
@@ -733,9 +734,9 @@ class _Decoder:
         kv_len: one more than the largest position. Returns the last hidden states [B, q, D]."""
         self.cache.prepare(at, rows, kv_len)
         keys = torch.arange(kv_len, device=self.device)
-        visible = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        mask = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
         out = self.decoder(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=at, **{self.cache_arg: self.cache}, use_cache=True)
         return out.last_hidden_state
 
