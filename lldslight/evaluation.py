@@ -29,6 +29,7 @@ def trajectory_records(traj: Trajectory) -> list[dict[str, Any]]:
                 "question": traj.questions[i] if traj.questions else "",
                 "golden_answers": traj.golden_answers[i] if traj.golden_answers else [],
                 "response": traj.responses[i],
+                "answer": traj.answers[i] if traj.answers else None,  # from the model's last action: what em/f1 scored
                 "group_id": int(traj.group_id[i]),
                 "em": float(traj.em[i]) if traj.em is not None else 0.0,
                 "f1": float(traj.f1[i]) if traj.f1 is not None else 0.0,

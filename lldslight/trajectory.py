@@ -29,9 +29,11 @@ class Trajectory:
     num_actions: Tensor  # [B] long
     finish_reason: list[str]  # "answer" | "max_turns" | "length"
     data_source: list[str]
-    responses: list[str]  # decoded response text, observations included
+    responses: list[str]  # decoded response text, observations included (for logging)
     questions: list[str] = field(default_factory=list)
     golden_answers: list[list[str]] = field(default_factory=list)
+    model_texts: list[str] = field(default_factory=list)  # the model's actions only: what the reward saw
+    answers: list[str | None] = field(default_factory=list)  # the answer of the last action (EM/F1), or None
     em: Tensor | None = None  # [B] float
     f1: Tensor | None = None  # [B] float
     sample_logp: Tensor | None = None  # [B, T] log-probs seen while sampling (diagnostics)

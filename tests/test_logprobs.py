@@ -86,7 +86,7 @@ def test_sampled_logprobs_equal_recomputed_on_real_rollouts(tiny_policy, bm25, p
 
 
 def test_greedy_tokens_are_argmax_of_full_recompute(tiny_policy, bm25, protocol_examples):
-    """Greedy decoding through the growing cache, holes and mid-turn compaction picks, at every
+    """Greedy decoding through the ragged cache, continuous batching and compaction picks, at every
     model token, the argmax of a from-scratch forward over the same context."""
     model, tok = tiny_policy
     engine, traj = _rollouts(model, tok, bm25, protocol_examples, True, greedy=True, group_size=2, max_turns=1)
