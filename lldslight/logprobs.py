@@ -30,10 +30,15 @@ from lldslight.policy import causal_lm, decoder_and_head
 CHUNK_BYTES = 32 * 2**20  # one [chunk, V] fp32 buffer: 170 positions at V = 49k, 55 at 152k
 
 
-def chunk_positions(vocab: int, chunk_size: Optional[int] = None, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Positions per vocabulary chunk: ``chunk_size`` if given, else as many as fit one fp32
-    [chunk, vocab] buffer in ``chunk_bytes`` (at least 1)."""
-    return int(chunk_size) if chunk_size else max(1, chunk_bytes // (4 * vocab))
+def chunk_positions(vocab: int, chunk_size: Optional[int] = None, chunk_bytes: int = CHUNK_BYTES, n: Optional[int] = None) -> int:
+    """Positions per vocabulary chunk: at most ``chunk_size`` if given, else as many as fit one fp32
+    [chunk, vocab] buffer in ``chunk_bytes`` (at least 1); with ``n`` positions, chunks of equal
+    size (256 positions in chunks of at most 170 are 2 x 128, not 170 + 86: a small last chunk
+    runs its matmul at a poorer rate)."""
+    most = int(chunk_size) if chunk_size else max(1, chunk_bytes // (4 * vocab))
+    if not n:
+        return most
+    return -(-n // -(-n // most))
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float) -> Tensor:
@@ -49,37 +54,55 @@ class ChunkedLogprob(torch.autograd.Function):
     """(log p(targets), entropy) [n] from hidden states [n, H] and the output projection.
 
     ``entropy``: "none" (returns zeros), "logged" (computed in the forward, no gradient) or
-    "loss" (with gradient). Saved for the backward: the hidden states, the weight, and two [n]
-    vectors (log-sum-exp, entropy).
+    "loss" (with gradient). ``backward``:
+
+    - "input": only the hidden states need a gradient (a frozen head: LoRA). d log p / d h =
+      (W[target] - softmax(z) W) / T does not depend on the loss, so the forward computes it
+      with the softmax at hand (one [c, V] x [V, H] matmul, as the backward would) and keeps it,
+      [n, H]; the backward is one multiply, and no logits are ever computed again;
+    - "recompute": the weight (or bias) needs a gradient too (full fine-tuning): the forward keeps
+      the log-sum-exp [n], the backward computes each chunk's logits again;
+    - "none": no backward (no-grad passes).
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: float,
-                chunk: int, entropy: str):
+                chunk: int, entropy: str, backward: str):
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.zeros_like(logp)
+        jac = torch.empty(n, hidden.shape[1], dtype=dtype, device=hidden.device) if backward == "input" else None
+        jac_ent = torch.empty_like(jac) if backward == "input" and entropy == "loss" else None
         for s in range(0, n, chunk):
-            z = _logits(hidden[s : s + chunk], weight, bias, temperature)  # [c, V]
+            sl = slice(s, s + chunk)
+            z = _logits(hidden[sl], weight, bias, temperature)  # [c, V]
             m = z.amax(-1, keepdim=True)  # [c, 1]
             z.sub_(m)
-            target_z = z.gather(-1, targets[s : s + chunk, None])[:, 0]  # [c]
-            if entropy == "none":
-                sum_exp = z.exp_().sum(-1)  # in place: the one [c, V] buffer
-            else:
-                p = torch.exp(z)  # [c, V]
-                sum_exp = p.sum(-1)
-                # H = log S - sum_j p_j z_j with p unnormalised over S, z shifted by the max.
-                ent[s : s + chunk] = sum_exp.log() - torch.bmm(p[:, None], z[:, :, None])[:, 0, 0] / sum_exp  # bmm: no [c, V] product
-                del p
-            del z
+            target_z = z.gather(-1, targets[sl, None])[:, 0]  # [c]
+            keep_z = entropy != "none"
+            p = torch.exp(z) if keep_z else z.exp_()  # [c, V], unnormalised; in place when z is done with
+            sum_exp = p.sum(-1)  # [c]
             log_sum = sum_exp.log()
-            logp[s : s + chunk] = target_z - log_sum
-            lse[s : s + chunk] = m[:, 0] + log_sum
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.entropy = temperature, chunk, entropy
+            logp[sl] = target_z - log_sum
+            lse[sl] = m[:, 0] + log_sum
+            if keep_z:
+                # H = log S - sum_j p_j z_j / S (z shifted by the max); bmm: no [c, V] product
+                ent[sl] = log_sum - torch.bmm(p[:, None], z[:, :, None])[:, 0, 0] / sum_exp
+            if jac is not None:
+                p.div_(sum_exp[:, None])  # softmax
+                jac[sl] = (weight[targets[sl]] - p.to(weight.dtype) @ weight).to(dtype) / temperature
+                if jac_ent is not None:
+                    # dH/dz_k = -p_k (log p_k + H)
+                    z.sub_(log_sum[:, None]).add_(ent[sl, None]).mul_(p)
+                    jac_ent[sl] = -(z.to(weight.dtype) @ weight).to(dtype) / temperature
+            del z, p
+        if backward == "input":
+            ctx.save_for_backward(jac, jac_ent)
+        elif backward == "recompute":
+            ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.entropy, ctx.mode, ctx.hidden_dtype = temperature, chunk, entropy, backward, hidden.dtype
         ctx.set_materialize_grads(False)  # an unused entropy's gradient stays None, not [n] zeros
         if entropy != "loss":
             ctx.mark_non_differentiable(ent)
@@ -88,11 +111,19 @@ class ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        if ctx.mode == "none":
+            raise RuntimeError("ChunkedLogprob was run with backward='none': it keeps nothing to differentiate")
+        entropy_grad = ctx.entropy == "loss" and g_ent is not None
+        if ctx.mode == "input":
+            jac, jac_ent = ctx.saved_tensors
+            grad_h = jac * g_logp[:, None] if g_logp is not None else torch.zeros_like(jac)
+            if entropy_grad:
+                grad_h += jac_ent * g_ent[:, None]
+            return grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None, None
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         if g_logp is None:  # only the entropy is used
             g_logp = torch.zeros_like(lse)
         T, chunk = ctx.temperature, ctx.chunk
-        entropy_grad = ctx.entropy == "loss" and g_ent is not None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
@@ -122,7 +153,7 @@ class ChunkedLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _logits_stats(head: nn.Module, h: Tensor, targets: Tensor, temperature: float, entropy: str) -> tuple[Tensor, Tensor]:
@@ -171,10 +202,16 @@ def token_logprobs(
         return logp, torch.zeros_like(logp)
     weight = getattr(head, "weight", None)
     if isinstance(head, nn.Linear) and weight is not None and weight.is_floating_point():
-        chunk = chunk_positions(weight.shape[0], chunk_size, chunk_bytes)
-        values, ent = ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy)
+        chunk = chunk_positions(weight.shape[0], chunk_size, chunk_bytes, selected.shape[0])
+        if not torch.is_grad_enabled():
+            backward = "none"
+        elif weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
+            backward = "recompute"
+        else:
+            backward = "input" if selected.requires_grad else "none"
+        values, ent = ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy, backward)
     else:
-        chunk = chunk_positions(causal_lm(model).config.vocab_size, chunk_size, chunk_bytes)
+        chunk = chunk_positions(causal_lm(model).config.vocab_size, chunk_size, chunk_bytes, selected.shape[0])
         stats = _logits_stats
         if torch.is_grad_enabled() and selected.requires_grad:
             stats = lambda *a: checkpoint(_logits_stats, *a, use_reentrant=False)  # noqa: E731
