@@ -1,19 +1,20 @@
 """Token log-probs (and entropy) of a causal LM, computed in chunks from hidden states.
 
 The decoder runs once over the batch; the vocabulary projection runs only on the positions that
-carry loss, a chunk of positions at a time. At V = 49k (SmolLM2) or 152k (Qwen2.5) the logits are
-the largest tensors of the step, so none of size [positions, V] is kept for the backward:
+carry loss, a chunk of c positions at a time. At V = 49k (SmolLM2) or 152k (Qwen2.5) the logits
+are the largest tensors of the step, so no tensor of size [positions, V] is kept for the backward.
+One custom autograd Function (``ChunkedLogprob``), per chunk:
 
-    forward   z = h W^T / T               [c, V] for one chunk of c positions, then freed
-              logp[t] = z[t] - logsumexp(z)   kept: logsumexp [n] (and the entropy [n])
-    backward  z is computed again from h (saved anyway: the decoder's output) and
-              dL/dz = g (onehot(t) - softmax(z))             (+ the entropy's term)
-              dL/dh = dL/dz W / T, one chunk at a time
+    z = h W^T / T                            [c, V], freed before the next chunk
+    log p(t) = z[t] - logsumexp(z)           kept: [c]
+    H = -sum_j p_j log p_j                   [c], in the same pass (no graph when only logged)
+    d log p(t) / d h = (W[t] - softmax(z) W) / T     [c, H]: with LoRA the head is frozen, so this
+                                                     is all the backward needs (one multiply)
 
-one custom autograd Function (``ChunkedLogprob``), so autograd saves no [c, V] tensor and nothing
-runs a full log_softmax backward. The chunk size comes from a byte budget per [c, V] buffer
-(``chunk_bytes``): the forward holds at most two such buffers, the backward one (two for an
-entropy with gradient).
+so the backward computes no logits again and runs no log_softmax backward. A trainable head
+(full fine-tuning) needs d/dW too: then the forward keeps the log-sum-exp [c] and the backward
+recomputes each chunk's z and forms g (onehot(t) - softmax(z)) in place. The chunk size comes
+from a byte budget per [c, V] fp32 buffer (``chunk_bytes``): a chunk holds at most two.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from lldslight.policy import causal_lm, decoder_and_head
@@ -200,6 +202,15 @@ def token_logprobs(
     if selected.shape[0] == 0:
         logp = torch.zeros(input_ids.shape, dtype=out_dtype, device=input_ids.device)
         return logp, torch.zeros_like(logp)
+    with record_function("vocab projection"):  # a profiler label (benchmarks/profiling.py); free otherwise
+        values, ent = _project(model, head, selected, targets, temperature, entropy, chunk_size, chunk_bytes)
+    logp = values.new_zeros(input_ids.shape).index_put((rows, cols), values)
+    return logp, values.new_zeros(input_ids.shape).index_put((rows, cols), ent)
+
+
+def _project(model: nn.Module, head: nn.Module, selected: Tensor, targets: Tensor, temperature: float, entropy: str,
+             chunk_size: Optional[int], chunk_bytes: int) -> tuple[Tensor, Tensor]:
+    """(log-probs, entropies) [n] of ``targets`` from hidden states ``selected`` [n, H]."""
     weight = getattr(head, "weight", None)
     if isinstance(head, nn.Linear) and weight is not None and weight.is_floating_point():
         chunk = chunk_positions(weight.shape[0], chunk_size, chunk_bytes, selected.shape[0])
@@ -209,14 +220,11 @@ def token_logprobs(
             backward = "recompute"
         else:
             backward = "input" if selected.requires_grad else "none"
-        values, ent = ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy, backward)
-    else:
-        chunk = chunk_positions(causal_lm(model).config.vocab_size, chunk_size, chunk_bytes, selected.shape[0])
-        stats = _logits_stats
-        if torch.is_grad_enabled() and selected.requires_grad:
-            stats = lambda *a: checkpoint(_logits_stats, *a, use_reentrant=False)  # noqa: E731
-        parts = [stats(head, selected[s : s + chunk], targets[s : s + chunk], temperature, entropy)
-                 for s in range(0, selected.shape[0], chunk)]
-        values, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    logp = values.new_zeros(input_ids.shape).index_put((rows, cols), values)
-    return logp, values.new_zeros(input_ids.shape).index_put((rows, cols), ent)
+        return ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy, backward)
+    chunk = chunk_positions(causal_lm(model).config.vocab_size, chunk_size, chunk_bytes, selected.shape[0])
+    stats = _logits_stats
+    if torch.is_grad_enabled() and selected.requires_grad:
+        stats = lambda *a: checkpoint(_logits_stats, *a, use_reentrant=False)  # noqa: E731
+    parts = [stats(head, selected[s : s + chunk], targets[s : s + chunk], temperature, entropy)
+             for s in range(0, selected.shape[0], chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
