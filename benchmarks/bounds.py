@@ -111,7 +111,7 @@ def update_flops(shape: Shape, lengths: list[int], loss_tokens: int, *, lora_r: 
     ``lora_r=None``: full fine-tuning (weight gradients too). ``lora_layers``: LoRA on the top that
     many layers only (None = all): backward stops below them. ``checkpointing``: the forward of
     every layer backward passes is run again. ``head_recompute``: so is the vocabulary projection
-    (lldslight checkpoints its log-prob chunks; TRL does not).
+    (a checkpointed log-prob chunk; neither lldslight's fused log-prob nor TRL recomputes it).
     """
     tokens = float(sum(lengths))
     pairs = float(sum(t * (t + 1) / 2 for t in lengths))
@@ -230,8 +230,10 @@ def read_gbs(m: dict[str, Any]) -> float:
     return max(m["torch_read_gbs"], m["numpy_read_gbs"])
 
 
-def step_fractions(m: dict[str, Any], shape: Shape, step: dict[str, float], lora_r: int, head_recompute: bool) -> dict[str, Any]:
-    """Achieved / bound for one side's median step: generation (per decode step) and the update.
+def step_fractions(m: dict[str, Any], shape: Shape, step: dict[str, float], lora_r: int, head_recompute: bool,
+                   checkpointing: bool = True) -> dict[str, Any]:
+    """Achieved / bound for one side's median step: generation (per decode step) and the update
+    (with its decoder layers recomputed, or not: ``checkpointing``).
 
     ``step`` needs generation_s, update_s, decode_steps (longest completion), rows, context (mean
     context length while decoding), lengths (tokens per row) and loss_tokens.
@@ -239,7 +241,7 @@ def step_fractions(m: dict[str, Any], shape: Shape, step: dict[str, float], lora
     ceiling = m["sgemm_gflops"]["square_2048"]
     dec = decode_bound_s(shape, int(step["rows"]), step["context"], read_gbs(m), ceiling)
     achieved_step = step["generation_s"] / max(step["decode_steps"], 1)
-    fl = update_flops(shape, step["lengths"], int(step["loss_tokens"]), lora_r=lora_r, checkpointing=True, head_recompute=head_recompute)
+    fl = update_flops(shape, step["lengths"], int(step["loss_tokens"]), lora_r=lora_r, checkpointing=checkpointing, head_recompute=head_recompute)
     update_bound = fl["total"] / (ceiling * 1e9)
     return {
         "decode_step_ms": achieved_step * 1e3,

@@ -19,6 +19,14 @@ every other process; a run in which others used more than ``--quiet-threshold`` 
 flagged busy and repeated (``--no-repeat`` keeps it). Reported per side: medians over rounds with
 [min-max]; the ratios (lldslight / TRL) as ratio of medians with each round's own ratio.
 
+lldslight runs twice per round: "lldslight" checkpoints every decoder layer, as TRL does (the like-
+for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient_checkpointing:
+auto`` (layers keep their activations while they fit in ``--activation-budget-mb``; lldslight/
+checkpointing.py), which trades that much memory for less recompute (``step_time_ratio_auto``).
+``--lldslight-checkpointing on`` runs the first only. lldslight's workers run with the malloc
+tunables the ``lldslight`` command sets for itself (lldslight/hostmem.py); TRL's with glibc's
+defaults, or with the same tunables under ``--malloc same`` (a like-for-like allocator check).
+
 Also per side: memory (peak RSS of the process; and, from the idle process after the warm-up
 step, with weights loaded, the peak above it during generation and during the update, from the
 kernel's VmHWM reset per phase), and the bounds (benchmarks/bounds.py, measured in the same
@@ -47,7 +55,8 @@ import harness  # noqa: E402
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
-SIDES = ("lldslight", "trl")
+SIDES = ("lldslight", "lldslight-auto", "trl")
+LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto")
 
 # Open-ended requests so that most completions run to the token budget on both sides: the work
 # per step then depends on the config, not on when a sample happens to emit EOS.
@@ -254,7 +263,8 @@ def worker_lldslight(spec: dict) -> dict:
             model=spec["model_dir"],
             dtype="float32",
             lora=LoRAConfig(r=spec["lora_r"], alpha=2 * spec["lora_r"]),
-            gradient_checkpointing=True,
+            gradient_checkpointing=spec.get("checkpointing", True),
+            activation_budget_mb=spec.get("activation_budget_mb", 256.0),
         ),
         lr=1e-5,
         updates_per_rollout=1,
@@ -440,12 +450,18 @@ def ensure_trl_venv(python: str | None) -> str:
 
 
 def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
+    from lldslight import hostmem
+
+    spec = dict(spec, checkpointing="auto" if side == "lldslight-auto" else True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
         spec_path = f.name
     out_path = spec_path + ".out"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS=str(spec["threads"]))
+    malloc = spec.get("malloc", "lldslight")
+    if malloc == "same" or (malloc == "lldslight" and side in LLDSLIGHT_SIDES):
+        env = hostmem.malloc_env(env)  # as the lldslight command runs itself
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--spec", spec_path, "--out", out_path]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -490,13 +506,13 @@ def table(summary: dict, ratios: dict, sides: list[str]) -> str:
     ]
     head = f"| {'median [min-max] over rounds':32} |" + "".join(f" {s:>20} |" for s in sides)
     lines = [head, "|" + "-" * 34 + "|" + "".join("-" * 22 + "|" for _ in sides)]
-    if len(sides) == 2:
-        lines[0] += f" {'ratio':>20} |"
+    for side in ratios:  # one ratio column per lldslight setting, against TRL
+        lines[0] += f" {'ratio' if side == 'lldslight' else 'ratio (auto)':>20} |"
         lines[1] += "-" * 22 + "|"
     for label, key, fmt in rows:
         line = f"| {label:32} |" + "".join(f" {harness.fmt_spread(summary[s][key], fmt):>20} |" for s in sides)
-        if len(sides) == 2:
-            r = ratios[key]
+        for side in ratios:
+            r = ratios[side][key]
             line += f" {r['ratio_of_medians']:.2f} [{r['spread']['min']:.2f}-{r['spread']['max']:.2f}]".rjust(21) + " |"
         lines.append(line)
     return "\n".join(lines)
@@ -532,16 +548,21 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
     out["quiet"] = harness.quiet_summary(attempts, policy)
     out["sides"] = {s: harness.side_summary(attempts, s, list(KEYS)) for s in sides}
     out["attempts"] = [a.to_dict() for a in attempts]
-    if len(sides) == 2:
-        out["ratios"] = {k: harness.ratio_summary(attempts, "lldslight", "trl", k) for k in KEYS}
-        out["step_time_ratio"] = out["ratios"]["step_s"]["ratio_of_medians"]
+    if "trl" in sides:
+        for side, suffix in (("lldslight", ""), ("lldslight-auto", "_auto")):
+            if side in sides:
+                out["ratios" + suffix] = {k: harness.ratio_summary(attempts, side, "trl", k) for k in KEYS}
+                out["step_time_ratio" + suffix] = out["ratios" + suffix]["step_s"]["ratio_of_medians"]
     if "bounds" in out:
         out["fractions"] = {}
         for s in sides:
             med = {k: v["median"] for k, v in out["sides"][s].items()}
             kept_run = min(harness.kept(attempts, s), key=lambda a: abs(a.metrics["step_s"] - med["step_s"]))
             med.update(rows=kept_run.metrics["rows"], lengths=kept_run.metrics["steps"][0]["lengths"])
-            out["fractions"][s] = bounds.step_fractions(out["bounds"], shape, med, lora_r=spec["lora_r"], head_recompute=s == "lldslight")
+            # lldslight recomputes no vocabulary projection (logprobs.py); "auto" kept every layer's
+            # activations when they fit the budget: its bound is the update without recompute.
+            out["fractions"][s] = bounds.step_fractions(out["bounds"], shape, med, lora_r=spec["lora_r"], head_recompute=False,
+                                                        checkpointing=s != "lldslight-auto")
         first = harness.kept(attempts, sides[0])[0].metrics["steps"][0]
         out["update_variants_gflop"] = bounds.update_variants(shape, first["lengths"], first["loss_tokens"], spec["lora_r"])
     return out
@@ -554,17 +575,19 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
         f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
         f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)"
     )
-    print(table(res["sides"], res.get("ratios", {}), sides))
+    ratios = {side: res["ratios" + suffix] for side, suffix in (("lldslight", ""), ("lldslight-auto", "_auto")) if "ratios" + suffix in res}
+    print(table(res["sides"], ratios, sides))
     if "fractions" in res:
         b = res["bounds"]
         print(f"bounds at {res['threads']} thread(s): read {bounds_read(b):.1f} GB/s, sgemm {b['sgemm_gflops']['square_2048']:.0f} GFLOP/s "
               f"(2048^2), decode-shape sgemm " + ", ".join(f"{k} {v:.0f}" for k, v in b["sgemm_gflops"].items() if k != "square_2048"))
         print(bounds_table(res["fractions"], sides))
         print("  update GFLOP for this work: " + ", ".join(f"{k} {v:.1f}" for k, v in res["update_variants_gflop"].items()))
-    if "step_time_ratio" in res:
-        r = res["ratios"]["step_s"]
-        print(f"step_time_ratio (lldslight / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
-              f"(per round {', '.join(f'{x:.2f}' for x in r['per_round'])})")
+    for suffix, what in (("", "every layer checkpointed, as TRL"), ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB")):
+        if "step_time_ratio" + suffix in res:
+            r = res["ratios" + suffix]["step_s"]
+            print(f"step_time_ratio{suffix} (lldslight, {what} / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
+                  f"(per round {', '.join(f'{x:.2f}' for x in r['per_round'])})")
     print(harness.quiet_line(res["quiet"]))
 
 
@@ -599,6 +622,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="lldslight only: pack micro-batches by token budget")
     p.add_argument("--logprob-chunk-size", type=int, default=None, help="lldslight only: positions per vocabulary chunk (default: the library's)")
     p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lldslight-checkpointing", choices=["on", "on,auto"], default="on,auto",
+                   help="lldslight's settings to run: every layer checkpointed (as TRL), and gradient_checkpointing: auto")
+    p.add_argument("--activation-budget-mb", type=float, default=256.0, help="lldslight-auto: policy.activation_budget_mb")
+    p.add_argument("--malloc", choices=["lldslight", "default", "same"], default="lldslight",
+                   help="glibc malloc tunables (lldslight/hostmem.py): lldslight's workers only (as its command runs), nobody, "
+                        "or both sides")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0 = no reference pass, both sides)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=harness.MIN_ROUNDS, help="alternating A B rounds per thread count; medians over rounds")
@@ -619,7 +648,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.worker:
         spec = json.loads(Path(args.spec).read_text())
-        result = worker_lldslight(spec) if args.worker == "lldslight" else worker_trl(spec)
+        result = worker_trl(spec) if args.worker == "trl" else worker_lldslight(spec)
         Path(args.out).write_text(json.dumps(result))
         return
 
@@ -639,12 +668,15 @@ def main(argv: list[str] | None = None) -> None:
         "micro_batch_tokens": args.micro_batch_tokens,
         "logprob_chunk_size": args.logprob_chunk_size,
         "lora_r": args.lora_r,
+        "activation_budget_mb": args.activation_budget_mb,
+        "malloc": args.malloc,
         "beta": args.beta,
         "steps": args.steps,
         "warmup": 1,
         "seed": args.seed,
     }
-    sides = [args.only] if args.only else (["lldslight"] if args.profile else list(SIDES))
+    runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
+    sides = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
     pythons = {"lldslight": sys.executable}
     if "trl" in sides:
         pythons["trl"] = ensure_trl_venv(args.trl_python)
@@ -659,9 +691,10 @@ def main(argv: list[str] | None = None) -> None:
         print_threads(res, args, sides)
         if args.json:  # after each thread count: a long run that stops later keeps what it measured
             Path(args.json).write_text(json.dumps(report, indent=1))
-    if len(sides) == 2:
-        report["step_time_ratio"] = {t: r["step_time_ratio"] for t, r in report["threads"].items()}
-        print("\nstep_time_ratio: " + ", ".join(f"{t} thread(s) {r:.3f}" for t, r in report["step_time_ratio"].items()))
+    for key in ("step_time_ratio", "step_time_ratio_auto"):
+        if all(key in r for r in report["threads"].values()) and report["threads"]:
+            report[key] = {t: r[key] for t, r in report["threads"].items()}
+            print(f"\n{key}: " + ", ".join(f"{t} thread(s) {r:.3f}" for t, r in report[key].items()))
     report["quiet"] = all(r["quiet"]["quiet"] for r in report["threads"].values())
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -243,6 +243,10 @@ def _run(argv: list[str], from_command_line: bool) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from_command_line = argv is None
+    if from_command_line:
+        from lldslight.hostmem import reexec_with_malloc_tunables
+
+        reexec_with_malloc_tunables()  # once, before anything is allocated (lldslight/hostmem.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     if "--debug" in argv:

@@ -27,6 +27,7 @@ from lldslight import update
 from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, reduce_over_ranks, shard_policy, through_root
 from lldslight.errors import require
+from lldslight.checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, require_bitsandbytes
 from lldslight.preflight import check_policy
@@ -77,7 +78,8 @@ class GRPOModule(pl.LightningModule):
         entropy_coef: entropy bonus (official code 0.001; veRL later judged it harmful).
         logprob_temperature: temperature applied to logits for training log-probs; keep it equal
             to the sampling temperature so the first update is exactly on-policy.
-        logprob_chunk_size: positions per vocabulary-projection chunk.
+        logprob_chunk_size: positions per vocabulary-projection chunk; null sizes a chunk's fp32 logits
+            to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
         shuffle_minibatches: shuffle rollouts before splitting into mini-batches.
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
@@ -107,7 +109,7 @@ class GRPOModule(pl.LightningModule):
         kl_estimator: obj.KLEstimator = "k3",
         entropy_coef: float = 0.0,
         logprob_temperature: float = 1.0,
-        logprob_chunk_size: int = 512,
+        logprob_chunk_size: Optional[int] = None,
         shuffle_minibatches: bool = True,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
@@ -207,7 +209,8 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         model = self.reference if reference and self.reference is not None else self.policy
         adapter_off = self.policy.disable_adapter() if reference and self.reference is None else contextlib.nullcontext()
-        with adapter_off:
+        budget = self.policy_config.activation_budget_mb * 2**20 if self.policy_config.gradient_checkpointing == "auto" else None
+        with adapter_off, activation_budget(model, budget):
             return through_root(model, lambda: token_logprobs(  # FSDP2 root hooks around direct decoder/head calls
                 model,
                 traj.input_ids,

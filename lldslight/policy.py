@@ -70,7 +70,12 @@ class PolicyConfig:
         tokenizer: where to load the tokenizer from when it differs from ``model``.
         dtype: parameter dtype. "auto" = bfloat16 on CUDA, float32 on CPU (CPUs here lack fast bf16).
         lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
-        gradient_checkpointing: recompute activations in backward to save memory.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward to save
+            memory (True), keep them all (False), or "auto": keep those of as many layers as fit in
+            ``activation_budget_mb`` per micro-batch and checkpoint the rest (lldslight/checkpointing.py);
+            a micro-batch that fits is not recomputed at all. Same gradients either way.
+        activation_budget_mb: activations a forward with gradients may keep, in MiB, under "auto"
+            (weights, optimiser state and the vocabulary chunks come on top).
         random_init: config overrides (e.g. num_hidden_layers: 2); when set, the architecture of
             ``model`` with these changes is built with random weights (tests, benchmarks).
         init_seed: seed for random_init weights.
@@ -85,13 +90,18 @@ class PolicyConfig:
     tokenizer: Optional[str] = None
     dtype: DType = "auto"
     lora: Optional[LoRAConfig] = field(default_factory=LoRAConfig)
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: Union[bool, Literal["auto"]] = True
+    activation_budget_mb: float = 256.0
     random_init: Optional[dict[str, Union[int, float, str]]] = None
     init_seed: int = 0
     quantization: Optional[Literal["nf4", "int8"]] = None
     attn_implementation: Optional[str] = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.gradient_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"policy.gradient_checkpointing must be true, false or 'auto', got {self.gradient_checkpointing!r}")
+        if not self.activation_budget_mb >= 0:
+            raise ValueError(f"policy.activation_budget_mb must be >= 0, got {self.activation_budget_mb!r}")
         if self.quantization is None:
             return
         if self.quantization not in ("nf4", "int8"):
@@ -281,7 +291,7 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             # forward and from then on multiplies in bf16 without autograd, also in training (the
             # gradient into the layer's input is lost): keep the fp32 dequantize-and-matmul path.
             layer.support_avx512bf16_for_cpu = False
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing))
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 

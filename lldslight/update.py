@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lldslight import hostmem
 from lldslight import objectives as obj
 from lldslight.distributed import all_ranks_agree, gradient_sync, sum_over_ranks, world_size
 from lldslight.trajectory import Trajectory
@@ -136,12 +137,13 @@ def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, schedule
     hp = module.hparams
     order = torch.randperm(len(traj)) if hp.shuffle_minibatches else torch.arange(len(traj))
     minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
+    hostmem.trim()  # what the rollout freed: the update's peak starts from the idle process
     t0 = time.perf_counter()
     traj = prepare(module, traj, onpolicy_rows=minibatches[0] if hp.get("reuse_onpolicy_logp", True) else None)
     # V for LLDS-MA: once per rollout batch, on every rank (a collective), never inside an update.
     searches = mean_valid_searches(traj) if module.loss_terms else float("nan")
     timings = {"logprob_s": time.perf_counter() - t0}
-    _trim_host_memory()
+    hostmem.trim()
 
     t0 = time.perf_counter()
     lr = float(optimizer.param_groups[0]["lr"])  # the scheduler steps after the updates
@@ -156,7 +158,7 @@ def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, schedule
                 out.setdefault(k, []).append(v)
     scheduler.step()
     timings["update_s"] = time.perf_counter() - t0
-    _trim_host_memory()
+    hostmem.trim()
     return RolloutUpdates(traj, summed, shared, lr, timings)
 
 
@@ -362,20 +364,3 @@ def step(module: "GRPOModule", optimizer, update_index: int, loss_ok: bool, loss
         optimizer.zero_grad(set_to_none=True)
         module.vetoed_updates += 1
     return {**ctx.metrics, "grad_norm": float(grad_norm), "vetoed": 0.0 if accept else 1.0}
-
-
-def _trim_host_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc). On CPU, the rollout and the update each free
-    hundreds of MB of mid-sized tensors that malloc would otherwise keep, so the next phase's
-    peak would sit on top of the last one's leftovers. A few ms; a no-op elsewhere."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-try:
-    import ctypes
-
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim  # noqa: B018 (present on glibc only)
-except (OSError, AttributeError):
-    _LIBC = None

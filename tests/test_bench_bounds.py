@@ -62,8 +62,9 @@ def test_update_flops_by_hand(bounds):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_update_flops_match_torchs_flop_counter(bounds, checkpointing):
-    """A real fwd+bwd through lldslight's chunked log-probs (which recompute the head's chunks),
-    counted by torch.utils.flop_counter (matmuls only: CPU attention is not counted there)."""
+    """A real fwd+bwd through lldslight's chunked log-probs (the frozen head's input gradient is
+    formed in the forward, one matmul as a backward would: no head recompute), counted by
+    torch.utils.flop_counter (matmuls only: CPU attention is not counted there)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from lldslight.logprobs import token_logprobs
@@ -84,7 +85,7 @@ def test_update_flops_match_torchs_flop_counter(bounds, checkpointing):
         logp, _ = token_logprobs(model, ids, torch.ones_like(ids), mask, chunk_size=4)
         logp.sum().backward()
     counted = sum(counter.get_flop_counts()["Global"].values())
-    f = bounds.update_flops(shape, [T] * B, int(mask[:, 1:].sum()), lora_r=cfg.lora.r, checkpointing=checkpointing, head_recompute=True)
+    f = bounds.update_flops(shape, [T] * B, int(mask[:, 1:].sum()), lora_r=cfg.lora.r, checkpointing=checkpointing, head_recompute=False)
     attention = shape.layers * shape.attn_flops(B * T * (T + 1) / 2) * (1 + 2 + checkpointing)
     if checkpointing:
         # Non-reentrant checkpointing stops re-running a layer once backward's saved tensors are back,

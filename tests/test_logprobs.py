@@ -43,17 +43,143 @@ def test_chunked_logprobs_equal_full_logits(tiny_policy, temperature):
     # entropy sums 49k terms of size ~10: 1e-5 relative is the float32 rounding of that sum
     assert (got_ent - want_ent).abs().max().item() < 1e-5 * max(1.0, want_ent.abs().max().item())
     assert (got_lp[~mask] == 0).all()
-    # With gradients (checkpointed chunks), the values and the gradient match the plain computation.
+    # With gradients, the values and the gradient (of log-probs and of an entropy bonus) match
+    # the plain computation.
     model.train()
-    got, _ = token_logprobs(model, ids, attn, mask, chunk_size=7, temperature=temperature)
-    want, _ = _full_logits_logprobs(model, ids, attn, mask, temperature)
+    got, got_ent = token_logprobs(model, ids, attn, mask, chunk_size=7, temperature=temperature, with_entropy=True)
+    want, want_ent = _full_logits_logprobs(model, ids, attn, mask, temperature)
     params = [p for p in model.parameters() if p.requires_grad]
-    g_got = torch.autograd.grad(got.sum(), params)
-    g_want = torch.autograd.grad(want.sum(), params)
+    g_got = torch.autograd.grad(got.sum() + 0.3 * got_ent.sum(), params)
+    g_want = torch.autograd.grad(want.sum() + 0.3 * want_ent.sum(), params)
     assert (got - want).abs().max().item() < 1e-5
     for a, b in zip(g_got, g_want):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     model.eval()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy", ["none", "logged", "loss"])
+@pytest.mark.parametrize("backward", ["input", "recompute"])
+def test_fused_logprob_values_and_gradients_equal_float64_log_softmax(temperature, entropy, backward):
+    """ChunkedLogprob (fp32, 37 positions in chunks of 8, the last one partial) against full
+    float64 logits -> log_softmax -> gather, and -sum p log p: values and the gradient of a loss
+    weighting each position's log-prob (and entropy, when it has a gradient) differently.
+    "recompute" (a trainable head) also gives the weight's and the bias's gradients."""
+    from lldslight.logprobs import ChunkedLogprob
+
+    g = torch.Generator().manual_seed(0)
+    n, H, V = 37, 16, 301
+    h = torch.randn(n, H, generator=g).requires_grad_()
+    W = torch.randn(V, H, generator=g).requires_grad_(backward == "recompute")
+    b = torch.randn(V, generator=g).requires_grad_(backward == "recompute")
+    y = torch.randint(0, V, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+
+    logp, ent = ChunkedLogprob.apply(h, W, b, y, temperature, 8, entropy, backward)
+    inputs = [h, W, b] if backward == "recompute" else [h]
+    loss = (logp * w_lp.float()).sum() + ((ent * w_ent.float()).sum() if entropy == "loss" else 0.0)
+    grads = torch.autograd.grad(loss, inputs)
+
+    ref_in = [x.detach().double().requires_grad_() for x in (h, W, b)]
+    logp_all = torch.log_softmax((ref_in[0] @ ref_in[1].T + ref_in[2]) / temperature, -1)
+    ref_logp = logp_all.gather(-1, y[:, None])[:, 0]
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    ref_loss = (ref_logp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy == "loss" else 0.0)
+    ref_grads = torch.autograd.grad(ref_loss, ref_in[: len(inputs)])
+
+    assert (logp.double() - ref_logp).abs().max() < 2e-5
+    if entropy == "none":
+        assert (ent == 0).all()
+    else:
+        assert (ent.double() - ref_ent).abs().max() < 2e-5
+        assert ent.requires_grad == (entropy == "loss")
+    for got, want in zip(grads, ref_grads):
+        assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_update_backward_computes_no_logits_and_the_forward_each_chunk_once(tiny_policy):
+    """LoRA leaves the output projection frozen: d log p / d h is formed in the forward, so the
+    backward runs no [chunk, V] matmul at all (neither a recomputed forward nor anything else),
+    and the forward projects each chunk once, entropy included. Counted as matmuls whose output
+    has V columns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, tok = tiny_policy
+    V = model.get_output_embeddings().weight.shape[0]
+
+    class CountLogits(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == V:
+                CountLogits.calls += 1
+            return out
+
+    model.train()
+    ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with CountLogits():
+        logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), mask, chunk_size=7, with_entropy=True, entropy_grad=False)
+        forward = CountLogits.calls
+        logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    chunks = -(-int(mask[:, 1:].sum()) // 7)
+    assert forward == chunks and entropy[:, 1:].gt(0).all()  # once per chunk, entropy on every token
+    assert CountLogits.calls == forward, f"the backward computed logits ({CountLogits.calls - forward} matmuls)"
+
+
+def test_update_memory_is_bounded_by_a_chunk_not_by_the_batch(tiny_policy):
+    """600 loss positions at SmolLM2's 49k vocabulary: [600, V] fp32 logits are 118 MB. With the
+    library's default chunking (32 MiB of fp32 logits per chunk), the live tensors of the forward
+    (entropy logged) and backward stay within three such chunk buffers. Measured independently of the code: every tensor storage
+    created during the step, counted until it is freed."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    chunk_bytes = 32 * 2**20  # logprobs.CHUNK_BYTES
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.seen: set[int] = set()
+
+        def _free(self, key, n):
+            self.live -= n
+            self.seen.discard(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if key in self.seen or key in params or storage.nbytes() == 0:
+                        continue  # a view of something counted, or a weight (F.linear's W^T)
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+            return out
+
+    model, tok = tiny_policy
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    V = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, len(tok), (3, 201), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    full = 600 * V * 4
+    model.train()
+    with LiveBytes() as tracker:
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids), mask, with_entropy=True, entropy_grad=False)
+        logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    assert full > 3 * chunk_bytes  # the bound below separates chunked from whole-batch logits
+    assert tracker.peak <= 3 * chunk_bytes, f"peak {tracker.peak / 2**20:.0f} MiB of live tensors; [n, V] is {full / 2**20:.0f} MiB"
 
 
 def _rollouts(model, tok, retriever, examples, many_stops: bool, **kw):
@@ -169,34 +295,3 @@ def test_token_packing_groups_rows_by_length(fixed_rollout):
         assert len(b) == 1 or len(b) * int(lengths[b].max()) <= 100
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=0)
-
-
-def test_logged_entropy_is_computed_once_not_again_in_the_checkpointed_backward(tiny_policy):
-    """The entropy is logged on every training forward; with no entropy bonus it has no graph,
-    and the backward, which recomputes each checkpointed chunk of the vocabulary projection, must
-    not compute it again (nor rely on checkpointing's early stop to skip it). Counted as the
-    softmax exponentials the entropy needs (log_softmax's own backward uses none)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.checkpoint import set_checkpoint_early_stop
-
-    class CountExp(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.exp.default:
-                CountExp.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    model, tok = tiny_policy
-    model.train()
-    ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    with set_checkpoint_early_stop(False), CountExp():
-        logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), mask, chunk_size=7, with_entropy=True, entropy_grad=False)
-        forward = CountExp.calls
-        logp.sum().backward()
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    chunks = -(-int(mask[:, 1:].sum()) // 7)
-    assert forward == chunks and entropy[:, 1:].gt(0).all()  # once per chunk, on every token
-    assert CountExp.calls == forward, f"the backward computed the entropy again ({CountExp.calls - forward} more exp calls)"

@@ -25,11 +25,11 @@ LENGTHS = [27, 20, 25, 14, 28, 18, 22, 16]  # rows of different lengths: packing
 ONE_ACTION = {3, 7}  # rows that answer in their first action (no observation)
 
 
-def policy_config():
+def policy_config(**overrides):
     from lldslight.policy import LoRAConfig, PolicyConfig
 
-    return PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(SMALL),
-                        lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=False)
+    kw = {"gradient_checkpointing": False, **overrides}
+    return PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(SMALL), lora=LoRAConfig(r=4, alpha=8), **kw)
 
 
 def make_setup(path: Path) -> dict:
@@ -152,7 +152,7 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
               shuffle_minibatches=False, micro_batch_size=2)
     kw.update(module_kw)
     llds = LLDS(coef=0.2, skip_on_policy=False, answer_masking="official", normaliser=kw.pop("llds_normaliser", "preserving"))
-    module = GRPOModule(policy=policy_config(), **kw)
+    module = GRPOModule(policy=policy_config(**kw.pop("policy", {})), **kw)
 
     def load_setup_policy(config):  # configure_model's loader: the setup's weights, then sharding as usual
         model, tokenizer = load_policy(config)
