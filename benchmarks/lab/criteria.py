@@ -64,8 +64,7 @@ def evaluate(run_dir: Path, decay_steps: int = 10, reward_window: int = 20, fall
     ma = reward.rolling(reward_window, min_periods=reward_window).mean()
     peak = ma.cummax()
     low = ((ma <= 0.5 * peak) & ma.notna() & (peak > 0)).tolist()
-    start = steps.index(decay_step) if decay_step is not None else 0
-    j = first_run(low, fall_steps, start)
+    j = first_run(low, fall_steps, steps.index(decay_step)) if decay_step is not None else None
     out["fall_step"] = steps[j] if j is not None else None
     # the same test without requiring decay first (a fall that the likelihood did not announce)
     j0 = first_run(low, fall_steps)
