@@ -9,9 +9,10 @@ A run collapses when
 2. and then, from the decay's first step on, either
    - fall: train reward, as a rolling mean over ``--reward-window`` (20) steps, stays at or below
      half its running peak for >= 10 consecutive steps; or
-   - explosion: a step whose largest pre-clip gradient norm is non-finite or > 10 x the median of
-     the per-step gradient norms of the last 50 steps with a signal (A > 0 present) before it: the
-     test GradientSpikeGuard applies per update (factor 10, window 50), on per-step numbers.
+   - explosion: a step whose largest pre-clip update gradient norm is non-finite or > 10 x the
+     median of the same per-step maxima over the last 50 earlier steps with a signal (A > 0
+     present): GradientSpikeGuard's test (factor 10, window 50), on per-step maxima since the
+     module logs no per-update norms.
 Also reported: how the phase detector's decay and the fall relate to Delta (lld/delta_correct, the
 change of the correct responses' log-prob caused by each step's own updates): the share of
 measured steps with Delta < 0 and mean Delta, over the whole run and over the 100 steps before the
@@ -40,12 +41,30 @@ def first_run(flags: list[bool], length: int, start: int = 0) -> Optional[int]:
     return None
 
 
+def replay_phases(frame, phases: dict):
+    """lld/phase recomputed with other PhaseConfig settings: LLDMonitor's detector fed the run's
+    logged signal, grad norm and entropy, step by step, exactly as the monitor fed it."""
+    from lldslight.diagnostics import PhaseConfig, PhaseDetector
+
+    detector = PhaseDetector(PhaseConfig(**phases))
+    out = []
+    for _, row in frame.iterrows():
+        update = detector.update(float(row["lld/logp_pos"]), float(row.get("train/grad_norm", float("nan"))),
+                                 float(row.get("train/entropy", float("nan"))))
+        out.append(float(update.phase))
+    frame = frame.copy()
+    frame["lld/phase"] = out
+    return frame
+
+
 def evaluate(run_dir: Path, decay_steps: int = 10, reward_window: int = 20, fall_steps: int = 10,
-             explode_factor: float = 10.0, explode_window: int = 50) -> dict:
+             explode_factor: float = 10.0, explode_window: int = 50, phases: Optional[dict] = None) -> dict:
     from lldslight.plots import read_run
 
     frame = read_run(run_dir)
     frame = frame[frame["train/reward"].notna()].sort_index()
+    if phases:
+        frame = replay_phases(frame, phases)
     steps = frame.index.tolist()
     out: dict = {"run_dir": str(run_dir), "steps": len(frame)}
     if not len(frame):
@@ -71,27 +90,29 @@ def evaluate(run_dir: Path, decay_steps: int = 10, reward_window: int = 20, fall
     out["fall_step_any"] = steps[j0] if j0 is not None else None
     out["reward_peak_ma"] = float(peak.max()) if peak.notna().any() else None
 
+    # Like with like: a step's largest update norm against the same statistic of earlier steps
+    # (the module logs per-step mean and max over updates, not each update's norm).
     gmax = frame["train/grad_norm_max"] if "train/grad_norm_max" in frame.columns else frame["train/grad_norm"]
-    gmean = frame["train/grad_norm"]
     history: list[float] = []
     explode = None
     explode_any = None
     for k, s in enumerate(steps):
         g = float(gmax.iloc[k]) if gmax.iloc[k] == gmax.iloc[k] else float("nan")
         if len(history) >= 10:
-            med = sorted(history[-explode_window:])[len(history[-explode_window:]) // 2]
+            recent = history[-explode_window:]
+            med = sorted(recent)[len(recent) // 2]
             bad = (not math.isfinite(g)) or g > explode_factor * med
             if bad and explode_any is None:
                 explode_any = s
             if bad and explode is None and decay_step is not None and s >= decay_step:
                 explode = s
-        gm = float(gmean.iloc[k])
-        if bool(measured.iloc[k]) and math.isfinite(gm) and gm > 0:
-            history.append(gm)
+        if bool(measured.iloc[k]) and math.isfinite(g) and g > 0:
+            history.append(g)
     out["explode_step"] = explode
     out["explode_step_any"] = explode_any
     ends = [x for x in (out["fall_step"], explode) if x is not None]
     out["collapsed"] = decay_step is not None and bool(ends)
+    out["collapsed_by"] = "+".join(k for k, v in (("fall", out["fall_step"]), ("spike", explode)) if v is not None) or None
     out["collapse_step"] = min(ends) if ends else None
 
     if "lld/delta_correct" in frame.columns:
@@ -134,8 +155,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--phases", type=json.loads, default=None,
+                        help="replay the phase detector with these PhaseConfig settings (JSON) instead of the logged lld/phase")
     args = parser.parse_args(argv)
-    results = [evaluate(Path(r)) for r in args.runs]
+    results = [evaluate(Path(r), phases=args.phases) for r in args.runs]
     for r in results:
         print(line(r))
     if args.json:

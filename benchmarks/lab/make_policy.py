@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=json.loads, default={}, help="overrides of DEFAULT_ARCH, JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of the SFT data order (the initial weights use PolicyConfig.init_seed 0)")
     parser.add_argument("--limit", type=int, default=None, help="SFT on the first N training questions (default: all)")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--force", action="store_true", help="retrain the warm start even when OUT holds it")
