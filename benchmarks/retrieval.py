@@ -30,12 +30,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
 from lldslight.retrieval import HttpRetriever, start_server_process  # noqa: E402
 from lldslight.retrieval.index import is_index_dir, load_index, retriever_class  # noqa: E402
 
@@ -93,22 +96,35 @@ def _summary(lat: list[float], batch: int) -> dict[str, float]:
 
 
 def side_by_side(modes: dict[str, Callable[[list[str]], Any]], queries: list[str], batch: int, calls: int,
-                 rounds: int) -> dict[str, dict[str, float]]:
+                 rounds: int, policy: Optional[harness.Policy] = None) -> dict[str, dict[str, Any]]:
     """Time each mode on the same queries in alternating blocks (``rounds`` of them), so that a
     load change on this shared machine hits every mode alike. Each block starts with an untimed
     call: it would pay for the previous block's leftovers (the other process's OpenMP threads spin
-    for a few ms after a forward pass)."""
+    for a few ms after a forward pass). The load around every block is recorded (the retrieval
+    server is a child of this process: its time is the benchmark's own); with a ``policy`` that
+    repeats, a busy block is timed again."""
     lat: dict[str, list[float]] = {m: [] for m in modes}
+    loads: dict[str, list[tuple[harness.LoadRecord, bool]]] = {m: [] for m in modes}
     per_block = max(2, calls // rounds)
+    quiet = policy or harness.Policy(repeat=False)
     for r in range(rounds):
         starts = [((r * per_block + j) * batch) % max(1, len(queries) - batch) for j in range(per_block)]
         for mode, fn in modes.items():
-            fn(queries[starts[0] : starts[0] + batch])
-            for s in starts:
-                t = time.perf_counter()
-                fn(queries[s : s + batch])
-                lat[mode].append(time.perf_counter() - t)
-    return {m: _summary(v, batch) for m, v in lat.items()}
+            def block(fn=fn) -> tuple[list[float], harness.LoadRecord]:
+                fn(queries[starts[0] : starts[0] + batch])
+                times = []
+                with harness.LoadMeter(top=False) as m:
+                    for s in starts:
+                        t = time.perf_counter()
+                        fn(queries[s : s + batch])
+                        times.append(time.perf_counter() - t)
+                return times, m.record  # type: ignore[return-value]
+
+            times, load, busy = harness.until_quiet(block, quiet, lambda s: None, f"{mode} block {r + 1}")[-1]
+            lat[mode] += times
+            loads[mode].append((load, busy))
+    return {m: {**_summary(v, batch), "busy_blocks": sum(b for _, b in loads[m]),
+                "max_other_cores": max(rec.other_cores for rec, _ in loads[m])} for m, v in lat.items()}
 
 
 def concurrent_vs_sequential(url: str, queries: list[str], clients: int, per_client: int, rounds: int) -> dict[str, Any]:
@@ -251,9 +267,10 @@ def bench_one(kind: str, corpus: Path, work: Path, queries: list[str], hotpot: l
         client = HttpRetriever(server.url)
         modes = {"inproc": lambda q: r.search(q, 3), "server": lambda q: client.search(q, 3)}
         for batch, calls in ((1, calls1), (64, calls64)):
-            for mode, m in side_by_side(modes, queries, batch, calls, args.rounds).items():
+            for mode, m in side_by_side(modes, queries, batch, calls, args.rounds, harness.policy_from_args(args)).items():
                 res[f"{mode}_b{batch}"] = m
-        res["inproc_b8"] = side_by_side({"inproc": modes["inproc"]}, queries, 8, max(8, calls1 // 4), args.rounds)["inproc"]
+        res["inproc_b8"] = side_by_side({"inproc": modes["inproc"]}, queries, 8, max(8, calls1 // 4), args.rounds,
+                                        harness.policy_from_args(args))["inproc"]
         res["concurrency"] = concurrent_vs_sequential(server.url, queries, 8, max(5, calls1 // 8), args.rounds)
     res["server_overhead_b1_ms"] = res["server_b1"]["median_ms"] - res["inproc_b1"]["median_ms"]
     return res
@@ -304,7 +321,11 @@ def report(results: list[dict[str, Any]], desc: str) -> None:
                 checks.append(("build / encoder alone", f"{ratio:.2f}x (same passages)", ">= 0.9x", ratio >= 0.9))
         if "hotpot_recall@3" in r:
             checks.append(("HotpotQA recall@3 (500 q)", f"{r['hotpot_recall@3']:.3f}", "-", None))
-        print(f"[{r['retriever']}] {r['passages']} passages" + (f", built in {r['build_s']:.1f}s" if built else ""))
+        busy = sum(r[k]["busy_blocks"] for k in ("inproc_b1", "inproc_b8", "inproc_b64", "server_b1", "server_b64"))
+        worst = max(r[k]["max_other_cores"] for k in ("inproc_b1", "inproc_b8", "inproc_b64", "server_b1", "server_b64"))
+        print(f"[{r['retriever']}] {r['passages']} passages" + (f", built in {r['build_s']:.1f}s" if built else "")
+              + (f"; NOT QUIET: {busy} timed block(s) kept busy (other processes up to {worst:.2f} cores)" if busy
+                 else f"; quiet: every timed block clean (other processes <= {worst:.2f} cores)"))
         for name, value, target, ok in checks:
             flag = "" if ok is None else ("  ok" if ok else "  MISSED")
             print(f"  {name:<28} {value:<40} target {target}{flag}")
@@ -323,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--reuse-index", action="store_true", help="reuse indexes left in --work by an earlier run")
     p.add_argument("--quiet", action="store_true")
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="lldslight-bench-")
     work = Path(args.work or tmp.name)  # type: ignore[union-attr]

@@ -8,20 +8,27 @@ The engine runs the Search-R1 protocol (up to ``--max-turns`` searches, then an 
 ``--prompts`` questions x G; every model token it samples is counted. ``model.generate`` then
 samples exactly as many new tokens per row (min_new_tokens = max_new_tokens) for the same prompts
 x G, with one forward per token, no retrieval and no observations. Runs alternate engine /
-generate and medians are reported: tokens per second for both, and where the engine's time goes
+generate (benchmarks/harness.py: load recorded around every run, busy runs repeated, medians with
+their spread, a quiet/NOT QUIET verdict) and medians are reported: tokens per second for both, and where the engine's time goes
 (prompt prefill, decoding, observation prefill, retrieval).
 
-Two of the engine's choices are measured directly:
+Three of the engine's choices are measured directly:
 - prefill once per group: the same rollouts with each prompt repeated G times and G=1 (no
   sharing) vs G rollouts sharing one prefilled prompt;
 - KV cache carried across turns: the observation prefill the engine pays vs re-encoding the whole
-  context at every turn boundary (timed as full forwards over the contexts at those boundaries).
+  context at every turn boundary (timed as full forwards over the contexts at those boundaries);
+- the sampler: inverse-CDF sampling with one uniform per row vs log-softmax + torch.multinomial
+  (what the engine did before), on [rows, vocabulary] logits, alternating, medians.
+``--baseline-rollout`` A/Bs a whole other engine (e.g. the turn-synchronous one of an older
+commit) in the same process, alternating with this one. Every run records the load average
+before and after it: on a shared machine only ratios of interleaved runs mean anything.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +39,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
 
 
 def load_engine_module(path: str | None):
@@ -63,16 +73,48 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_engine(mod, model, tok, retriever, examples, cfg_kw, G):
+def run_engine(mod, model, tok, retriever, examples, cfg_kw, G, stop_every: int = 0):
     engine = mod.RolloutEngine(tok, retriever, lambda text, gold: 0.0, mod.RolloutConfig(**cfg_kw))
+    if stop_every:  # turns end at scattered steps, as a policy that searches and answers ends them
+        engine.eos_ids = sorted(set(engine.eos_ids) | set(range(0, len(tok), stop_every)))
     device = next(model.parameters()).device
     sync(device)
-    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     traj = engine.generate(model, examples, group_size=G)
     sync(device)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = int(traj.loss_mask.sum())
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, **{k: float(v) for k, v in engine.stats.items()}}, traj
+    stats = {k: float(v) for k, v in engine.stats.items()}
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall, "cpu_tok_per_s": tokens / cpu,
+            "load_before": load, "load_after": os.getloadavg()[0], **stats}, traj
+
+
+def sampler_ab(tok, rows: int, repeats: int, device) -> dict:
+    """Median seconds per call: the engine's inverse-CDF sampler vs log-softmax + multinomial."""
+    from lldslight.rollout import RolloutConfig, RolloutEngine
+
+    vocab = len(tok)
+    engine = RolloutEngine(tok, None, lambda text, gold: 0.0, RolloutConfig())
+    logits = torch.randn(rows, vocab, device=device) * 3
+
+    def old():
+        logp = torch.log_softmax(logits, -1)
+        tokens = torch.multinomial(logp.exp(), 1)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+    def new():
+        return engine._sample(logits, torch.rand(rows, dtype=torch.float64, device=device))
+
+    times = {"multinomial": [], "inverse_cdf": []}
+    for _ in range(repeats):
+        for name, fn in (("multinomial", old), ("inverse_cdf", new)):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()[0].tolist()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"rows": rows, "vocab": vocab, "multinomial_s": med["multinomial"], "inverse_cdf_s": med["inverse_cdf"], "ratio": med["inverse_cdf"] / med["multinomial"]}
 
 
 def run_generate(model, tok, examples, G, new_tokens, temperature):
@@ -85,16 +127,16 @@ def run_generate(model, tok, examples, G, new_tokens, temperature):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
         )
     sync(device)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = (out.shape[1] - width) * out.shape[0]
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall}
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tok_per_s": tokens / wall, "cpu_tok_per_s": tokens / cpu}
 
 
 def reencode_cost(model, traj, turns: int) -> float:
@@ -145,8 +187,12 @@ def main(argv=None):
     p.add_argument("--random-init", default=None, help="JSON config overrides: a random model of that shape instead of the demo weights")
     p.add_argument("--baseline-rollout", default=None, help="another rollout.py to A/B against this one (e.g. an older version)")
     p.add_argument("--skip-sharing", action="store_true", help="skip the prefill-sharing A/B")
+    p.add_argument("--stop-every", type=int, default=0,
+                   help="also end a turn at every N-th token id: rows end turns at scattered steps, as a searching policy's do "
+                        "(the demo model never writes a tag, so without it every row runs each turn to its budget in lockstep)")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
+    harness.add_arguments(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -170,22 +216,39 @@ def main(argv=None):
         engines["baseline"] = load_engine_module(args.baseline_rollout)
 
     torch.manual_seed(args.seed)
-    run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)  # warm-up
+    run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G, args.stop_every)  # warm-up
     results: dict[str, list[dict]] = {k: [] for k in list(engines) + ["generate", "unshared", "reencode"]}
+    policy = harness.policy_from_args(args)
+    attempts: list[harness.Attempt] = []
+    if args.repeats < harness.MIN_ROUNDS:
+        print(f"[rollout] {args.repeats} repeat(s): fewer than {harness.MIN_ROUNDS}, a smoke test, not a result", flush=True)
+
+    def timed(side: str, rep: int, fn, seed: int):
+        """fn() under the harness: load recorded, repeated while busy; the kept run's value."""
+        def run():
+            torch.manual_seed(seed)
+            return harness.metered(fn)
+
+        tries = harness.until_quiet(run, policy, lambda s: print(s, flush=True), f"repeat {rep + 1}/{args.repeats} {side}")
+        for k, (value, load, busy) in enumerate(tries):
+            res = value[0] if isinstance(value, tuple) else value
+            attempts.append(harness.Attempt(side, rep, k, {x: y for x, y in res.items() if x != "load"}, load, busy, kept=k == len(tries) - 1))
+        value, load, busy = tries[-1]
+        (value[0] if isinstance(value, tuple) else value).update(load=load.to_dict(), busy=busy)
+        return value
+
     for rep in range(args.repeats):
-        torch.manual_seed(args.seed + rep)
-        res, traj = run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G)
+        seed = args.seed + rep
+        res, traj = timed("engine", rep, lambda: run_engine(engines["engine"], model, tok, retriever, examples, cfg_kw, G, args.stop_every), seed)
         results["engine"].append(res)
         per_row = max(1, round(res["tokens"] / len(traj)))
-        results["generate"].append(run_generate(model, tok, examples, G, per_row, 1.0))
-        results["reencode"].append({"wall_s": reencode_cost(model, traj, args.max_turns)})
+        results["generate"].append(timed("generate", rep, lambda: run_generate(model, tok, examples, G, per_row, 1.0), seed))
+        results["reencode"].append(timed("reencode", rep, lambda: {"wall_s": reencode_cost(model, traj, args.max_turns)}, seed))
         if "baseline" in engines:
-            torch.manual_seed(args.seed + rep)
-            results["baseline"].append(run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G)[0])
+            results["baseline"].append(timed("baseline", rep, lambda: run_engine(engines["baseline"], model, tok, retriever, examples, cfg_kw, G, args.stop_every)[0], seed))
         if not args.skip_sharing:
-            torch.manual_seed(args.seed + rep)
             repeated = [ex for ex in examples for _ in range(G)]
-            results["unshared"].append(run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1)[0])
+            results["unshared"].append(timed("unshared", rep, lambda: run_engine(engines["engine"], model, tok, retriever, repeated, dict(cfg_kw, group_size=1), 1, args.stop_every)[0], seed))
         print(f"[rollout] repeat {rep + 1}/{args.repeats}: engine {res['tok_per_s']:.1f} tok/s, generate {results['generate'][-1]['tok_per_s']:.1f} tok/s", flush=True)
 
     med = lambda runs, key: statistics.median(r[key] for r in runs) if runs and key in runs[0] else float("nan")  # noqa: E731
@@ -204,16 +267,31 @@ def main(argv=None):
         "retrieval_calls": med(eng, "retrieval_calls"),
         "decode_steps": med(eng, "decode_steps"),
         "compactions": med(eng, "compactions"),
+        "overlap_steps": med(eng, "overlap_steps"),
+        "retrieval_wait_s": med(eng, "retrieval_wait_s"),
+        "load_avg": [min(r["load_before"] for r in eng), max(r["load_after"] for r in eng)],
         "reencode_s": med(results["reencode"], "wall_s"),
         "runs": results,
     }
     report["tok_per_s_ratio"] = report["engine_tok_per_s"] / report["generate_tok_per_s"]
+    report["spread"] = {s: harness.side_summary(attempts, s, ["tok_per_s", "wall_s"]) for s in ("engine", "generate")}
+    report["tok_per_s_ratio_rounds"] = harness.ratio_summary(attempts, "engine", "generate", "tok_per_s")
+    report["quiet"] = harness.quiet_summary(attempts, policy)
+    report["engine_over_generate"] = statistics.median(e["tok_per_s"] / g["tok_per_s"] for e, g in zip(eng, gen))  # side-by-side pairs
+    # CPU seconds of this process: less inflated than wall time by other processes on a shared machine
+    report["engine_over_generate_cpu"] = statistics.median(e["cpu_tok_per_s"] / g["cpu_tok_per_s"] for e, g in zip(eng, gen))
+    report["sampler"] = sampler_ab(tok, len(examples) * G, 50, device)
     if results["unshared"]:
         report["unshared_prefill_s"] = med(results["unshared"], "prefill_s")
         report["unshared_tok_per_s"] = med(results["unshared"], "tok_per_s")
-    if results["baseline"]:
+    if results.get("baseline"):
         report["baseline_tok_per_s"] = med(results["baseline"], "tok_per_s")
         report["baseline_wall_s"] = med(results["baseline"], "wall_s")
+        # per repeat, engine / baseline of the two runs taken side by side: robust to slow drifts in load
+        pairs = [e["tok_per_s"] / b["tok_per_s"] for e, b in zip(eng, results["baseline"])]
+        report["engine_over_baseline"] = statistics.median(pairs)
+        report["engine_over_baseline_runs"] = pairs
+        report["engine_over_baseline_cpu"] = statistics.median(e["cpu_tok_per_s"] / b["cpu_tok_per_s"] for e, b in zip(eng, results["baseline"]))
 
     print()
     print(
@@ -233,13 +311,22 @@ def main(argv=None):
     print(f"|{'-' * 30}|{'-' * 20}|{'-' * 17}|")
     for label, a, b in rows:
         print(f"| {label:28} | {a:>18} | {b:>15} |")
-    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f}")
+    r = report["tok_per_s_ratio_rounds"]["spread"]
+    print(f"tokens/s ratio (engine / generate): {report['tok_per_s_ratio']:.2f} (per round {r['min']:.2f}-{r['max']:.2f}; "
+          f"per CPU second: {report['engine_over_generate_cpu']:.2f}); tok/s "
+          f"engine {harness.fmt_spread(report['spread']['engine']['tok_per_s'], '{:.1f}')}, "
+          f"generate {harness.fmt_spread(report['spread']['generate']['tok_per_s'], '{:.1f}')}")
     if "unshared_prefill_s" in report:
         print(f"prefill once per group: {report['prefill_s']:.2f} s vs {report['unshared_prefill_s']:.2f} s unshared (G={G}); "
               f"whole rollout {report['engine_tok_per_s']:.1f} vs {report['unshared_tok_per_s']:.1f} tok/s")
     print(f"KV cache across turns: observation prefill {report['observation_s']:.2f} s vs {report['reencode_s']:.2f} s re-encoding contexts")
+    sam = report["sampler"]
+    print(f"sampler ({sam['rows']} x {sam['vocab']}): inverse CDF {1e3 * sam['inverse_cdf_s']:.2f} ms vs multinomial {1e3 * sam['multinomial_s']:.2f} ms ({sam['ratio']:.2f}x)")
+    print(f"load average over the engine runs: {report['load_avg'][0]:.1f} .. {report['load_avg'][1]:.1f}")
     if "baseline_tok_per_s" in report:
-        print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s")
+        print(f"baseline engine ({args.baseline_rollout}): {report['baseline_tok_per_s']:.1f} tok/s, {report['baseline_wall_s']:.2f} s; "
+              f"engine / baseline, median of side-by-side pairs: {report['engine_over_baseline']:.2f}x (per CPU second: {report['engine_over_baseline_cpu']:.2f}x)")
+    print(harness.quiet_line(report["quiet"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

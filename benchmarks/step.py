@@ -1,19 +1,29 @@
-"""One GRPO step, lldslight vs TRL's GRPOTrainer, on identical single-turn work.
+"""One GRPO step, lldslight vs TRL's GRPOTrainer, on identical single-turn work, at 1 and 2 threads.
 
-    python benchmarks/step.py                      # installs TRL into benchmarks/.venv-trl once
-    python benchmarks/step.py --json step.json --rounds 3 --steps 2
+    python benchmarks/step.py --json step.json      # THE command: 1 and 2 threads, 3 rounds each
+    python benchmarks/step.py --threads 2 --rounds 5
+    python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
 
 Both sides: SmolLM2-135M-Instruct in fp32 (the de-quantised cache dir lldslight makes from the
 bundled GGUF; TRL loads it by path), the same prompts, G, max new tokens, sampling settings
 (temperature 1, no top-p/top-k), LoRA r=16 on all linear layers, gradient checkpointing, the
 "grpo" aggregation (seq-mean-token-mean), one optimiser update per step, the same micro-batch
 size, the same reward function. No search: lldslight's RolloutEngine runs with max_turns=0 (the
-final generation only), so TRL can do the same work. Each side runs in its own subprocess (its
-own peak RSS); runs alternate A B A B and every run does a warm-up step that is not counted.
+final generation only), so TRL can do the same work. TRL 1.16 is installed into
+benchmarks/.venv-trl on first use (or pass --trl-python / set LLDSLIGHT_TRL_PYTHON).
 
-Reported per side: median step wall time split into generation / log-probs / update, generated
-tokens per second, peak RSS, and lldslight / TRL ratios. Timings are noisy on a shared machine:
-quote medians of alternating runs, never a single step.
+Timing (benchmarks/harness.py): each side runs in its own subprocess (its own peak RSS), one
+warm-up step then ``--steps`` measured steps; sides alternate A B A B for ``--rounds`` rounds per
+thread count. Around every measured step the worker records the load average and the CPU time of
+every other process; a run in which others used more than ``--quiet-threshold`` of a core is
+flagged busy and repeated (``--no-repeat`` keeps it). Reported per side: medians over rounds with
+[min-max]; the ratios (lldslight / TRL) as ratio of medians with each round's own ratio.
+
+Also per side: memory (peak RSS of the process; and, from the idle process after the warm-up
+step, with weights loaded, the peak above it during generation and during the update, from the
+kernel's VmHWM reset per phase), and the bounds (benchmarks/bounds.py, measured in the same
+invocation): a decode step against memory bandwidth and the sgemm ceiling, and the update's FLOPs
+against the ceiling, as fractions.
 """
 from __future__ import annotations
 
@@ -30,9 +40,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import harness  # noqa: E402
+
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
+SIDES = ("lldslight", "trl")
 
 # Open-ended requests so that most completions run to the token budget on both sides: the work
 # per step then depends on the config, not on when a sample happens to emit EOS.
@@ -54,19 +69,122 @@ def reward(text: str) -> float:
     return len(set(words)) / 64.0
 
 
-# -- workers -------------------------------------------------------------------------------------
+# -- measuring inside a worker ------------------------------------------------------------------
 
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _current_rss_mb() -> float:
+def _status_mb(key: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024.0
     return float("nan")
+
+
+class PhaseMemory:
+    """Peak RSS above the idle process, per phase of a step: ``begin()`` at the step's start (the
+    process at rest, weights loaded), ``phase(name)`` at each phase's end. Linux resets the
+    high-water mark VmHWM when "5" is written to /proc/self/clear_refs, so each phase's peak is
+    exact (no polling); elsewhere the figures are NaN. The reset also resets getrusage's
+    ru_maxrss, so the process's peak is kept here (``peak_mb``) across resets."""
+
+    def __init__(self) -> None:
+        self.idle_mb = float("nan")
+        self.peaks: dict[str, float] = {}
+        self.peak_mb = 0.0
+
+    def _reset(self) -> bool:
+        self.peak_mb = max(self.peak_mb, _status_mb("VmHWM"))
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def begin(self) -> None:
+        self.peaks = {}
+        self.idle_mb = _status_mb("VmRSS") if self._reset() else float("nan")
+
+    def phase(self, name: str) -> None:
+        self.peaks[name] = _status_mb("VmHWM") - self.idle_mb
+        self._reset()
+
+    def record(self) -> dict[str, float]:
+        return {"idle_rss_mb": self.idle_mb, **{f"{k}_peak_above_idle_mb": v for k, v in self.peaks.items()}}
+
+
+class StepClock:
+    """Everything one measured step records: wall time, load around it, memory per phase, and
+    the work it did (rows, tokens, lengths) for the bounds."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.records: list[dict] = []
+        self.memory = PhaseMemory()
+        self.meter: harness.LoadMeter | None = None
+        self.profiler = None
+        self.seen = 0
+
+    @property
+    def measuring(self) -> bool:
+        return self.seen > self.spec["warmup"]
+
+    def begin(self, model) -> None:
+        self.seen += 1
+        if not self.measuring:
+            return
+        if self.spec.get("profile") and self.profiler is None:
+            from profiling import StepProfiler
+
+            self.profiler = StepProfiler(model)
+            self.profiler.start()
+        self.memory.begin()
+        self.meter = harness.LoadMeter().start()
+        self.t0 = time.perf_counter()
+
+    def generation_done(self) -> None:
+        if self.measuring:
+            self.memory.phase("generation")
+
+    def end(self, times: dict, work: dict) -> None:
+        if not self.measuring:
+            return
+        total = time.perf_counter() - self.t0
+        load = self.meter.stop()  # type: ignore[union-attr]
+        self.memory.phase("update")
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.stop()
+        self.records.append({
+            "step_s": total, **times, **work, **self.memory.record(),
+            "gen_tokens_per_s": work["tokens"] / times["generation_s"], "load": load.to_dict(),
+        })
+
+    def result(self) -> dict:
+        out = {"steps": self.records, "peak_rss_mb": max(self.memory.peak_mb, _status_mb("VmHWM"), _rss_mb())}
+        if self.profiler is not None:
+            out["profile"] = self.profiler.shares()
+        return out
+
+
+def work_of(prompt_len, completion_len) -> dict:
+    """The step's work from per-row prompt and completion lengths (lists of ints)."""
+    steps = max(completion_len)
+    return {
+        "rows": len(completion_len),
+        "tokens": sum(completion_len),
+        "decode_steps": steps,
+        # mean context a decode step attends to: the prompt plus half the completion so far
+        "context": statistics.mean(prompt_len) + steps / 2,
+        "lengths": [p + c for p, c in zip(prompt_len, completion_len)],
+        "loss_tokens": sum(completion_len),
+    }
+
+
+# -- workers -------------------------------------------------------------------------------------
 
 
 def worker_lldslight(spec: dict) -> dict:
@@ -79,7 +197,7 @@ def worker_lldslight(spec: dict) -> dict:
     from lldslight.data.example import QAExample
     from lldslight.module import GRPOModule
     from lldslight.policy import LoRAConfig, PolicyConfig
-    from lldslight.rollout import RolloutConfig
+    from lldslight.rollout import RolloutConfig, RolloutEngine
 
     class NoSearch:
         def search(self, queries, k):
@@ -99,28 +217,39 @@ def worker_lldslight(spec: dict) -> dict:
         def train_dataloader(self):
             return torch.utils.data.DataLoader(Prompts(), batch_size=None)
 
-    records: list[dict] = []
+    clock = StepClock(spec)
+    labels = _Labels(spec)
 
     class Timer(pl.Callback):
+        # First in the callback list: its batch start runs before SearchRollout samples.
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.t0 = time.perf_counter()
+            clock.begin(module.policy)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            total = time.perf_counter() - self.t0
-            m = module.last_step_metrics
-            rows = len(examples) * spec["group_size"]
-            records.append(
-                {
-                    "step_s": total,
-                    "generation_s": module.timings.get("rollout_s", float("nan")),
-                    "logprob_s": module.timings.get("logprob_s", float("nan")),
-                    "update_s": module.timings.get("update_s", float("nan")),
-                    "tokens": m["train/response_len"] * rows,
-                    "rss_mb": _rss_mb(),
-                }
+            traj = module.last_rollout
+            completion = traj.loss_mask.sum(-1).tolist()
+            clock.end(
+                {"generation_s": module.timings.get("rollout_s", float("nan")),
+                 "logprob_s": module.timings.get("logprob_s", float("nan")),
+                 "update_s": module.timings.get("update_s", float("nan"))},
+                work_of(traj.prompt_len.tolist(), completion),
             )
 
-    module = GRPOModule(
+    class BenchModule(GRPOModule):
+        def training_step(self, batch, batch_idx):
+            clock.generation_done()  # the rollout (SearchRollout's batch start) is over
+            with labels("update"):
+                return super().training_step(batch, batch_idx)
+
+        def manual_backward(self, loss, *args, **kwargs):
+            with labels("backward"):
+                return super().manual_backward(loss, *args, **kwargs)
+
+    if spec.get("profile"):
+        labels.wrap(RolloutEngine, "generate", "rollout")
+        labels.wrap(GRPOModule, "prepare_rollout", "log-probs")
+
+    module = BenchModule(
         policy=PolicyConfig(
             model=spec["model_dir"],
             dtype="float32",
@@ -156,7 +285,29 @@ def worker_lldslight(spec: dict) -> dict:
     )
     pl.seed_everything(spec["seed"], verbose=False)
     trainer.fit(module, datamodule=Data())
-    return {"steps": records[spec["warmup"] :], "peak_rss_mb": _rss_mb()}
+    return clock.result()
+
+
+class _Labels:
+    """Profiler labels around the phases, only when profiling (a no-op otherwise)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.on = bool(spec.get("profile"))
+
+    def __call__(self, name: str):
+        import contextlib
+
+        if not self.on:
+            return contextlib.nullcontext()
+        from profiling import label
+
+        return label(name)
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        if self.on and hasattr(obj, attr):
+            from profiling import wrap
+
+            wrap(obj, attr, name)
 
 
 def worker_trl(spec: dict) -> dict:
@@ -168,40 +319,44 @@ def worker_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    records: list[dict] = []
-    clock = {"gen": 0.0, "score": 0.0, "tokens": 0}
+    clock = StepClock(spec)
+    labels = _Labels(spec)
+    phase = {"gen": 0.0, "score": 0.0, "work": None}
 
     class TimedGRPO(GRPOTrainer):
         def _generate_single_turn(self, *args, **kwargs):
             t0 = time.perf_counter()
-            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
-            clock["gen"] += time.perf_counter() - t0
-            clock["tokens"] += sum(len(c) for c in completion_ids)
-            return completion_ids, logprobs
+            with labels("rollout"):
+                out = super()._generate_single_turn(*args, **kwargs)
+            phase["gen"] += time.perf_counter() - t0
+            return out
 
         def _generate_and_score_completions(self, inputs):
             t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            clock["score"] += time.perf_counter() - t0
+            with labels("log-probs"):
+                out = super()._generate_and_score_completions(inputs)
+            phase["score"] += time.perf_counter() - t0
+            clock.generation_done()
+            phase["work"] = work_of(out["prompt_mask"].sum(-1).tolist(), out["completion_mask"].sum(-1).tolist())
             return out
+
+        def training_step(self, *args, **kwargs):
+            with labels("update"):
+                return super().training_step(*args, **kwargs)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            clock.update(gen=0.0, score=0.0, tokens=0)
-            self.t0 = time.perf_counter()
+            phase.update(gen=0.0, score=0.0, work=None)
+            clock.begin(trainer.model)
 
         def on_step_end(self, args, state, control, **kw):
-            total = time.perf_counter() - self.t0
-            records.append(
-                {
-                    "step_s": total,
-                    "generation_s": clock["gen"],
-                    # generate_and_score = generation + reference/old log-probs + rewards/advantages
-                    "logprob_s": clock["score"] - clock["gen"],
-                    "update_s": total - clock["score"],
-                    "tokens": clock["tokens"],
-                    "rss_mb": _rss_mb(),
-                }
+            if not clock.measuring:
+                return
+            total = time.perf_counter() - clock.t0
+            clock.end(
+                # generate_and_score = generation + reference/old log-probs + rewards/advantages
+                {"generation_s": phase["gen"], "logprob_s": phase["score"] - phase["gen"], "update_s": total - phase["score"]},
+                phase["work"],
             )
 
     def trl_reward(completions, **kwargs):
@@ -243,23 +398,33 @@ def worker_trl(spec: dict) -> dict:
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in spec["prompts"]]})
         lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         trainer = TimedGRPO(model=spec["model_dir"], reward_funcs=trl_reward, args=args, train_dataset=dataset, peft_config=lora, callbacks=[Timer()])
+        if spec.get("profile"):
+            backward = trainer.accelerator.backward
+
+            def labelled_backward(*a, **k):
+                with labels("backward"):
+                    return backward(*a, **k)
+
+            trainer.accelerator.backward = labelled_backward
         trainer.train()
-    return {"steps": records[spec["warmup"] :], "peak_rss_mb": _rss_mb()}
+    return clock.result()
 
 
 # -- driver ---------------------------------------------------------------------------------------
 
 
 def ensure_trl_venv(python: str | None) -> str:
-    """The TRL side's interpreter: benchmarks/.venv-trl, created on first use.
+    """The TRL side's interpreter: --trl-python, else $LLDSLIGHT_TRL_PYTHON, else
+    benchmarks/.venv-trl, created on first use.
 
     torch goes in first, from the CPU wheel on this machine's disk when there is one: an unpinned
     torch from the index would pull several GB of CUDA libraries.
     """
+    python = python or os.environ.get("LLDSLIGHT_TRL_PYTHON")
     if python:
         return python
     exe = TRL_VENV / "bin" / "python"
-    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers"], capture_output=True).returncode == 0:
+    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers, psutil"], capture_output=True).returncode == 0:
         return str(exe)
     import transformers
 
@@ -279,8 +444,8 @@ def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
         json.dump(spec, f)
         spec_path = f.name
     out_path = spec_path + ".out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false")
-    env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=str(spec["threads"]))
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--spec", spec_path, "--out", out_path]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -294,24 +459,23 @@ def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
     return result
 
 
-def summarise(runs: list[dict]) -> dict:
-    steps = [s for r in runs for s in r["steps"]]
-    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
-    tok_s = statistics.median(s["tokens"] / s["generation_s"] for s in steps)
-    return {
-        "n_steps": len(steps),
-        "step_s": med("step_s"),
-        "generation_s": med("generation_s"),
-        "logprob_s": med("logprob_s"),
-        "update_s": med("update_s"),
-        "tokens": med("tokens"),
-        "gen_tokens_per_s": tok_s,
-        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
-        "all_steps": steps,
-    }
+PER_STEP = ("step_s", "generation_s", "logprob_s", "update_s", "tokens", "gen_tokens_per_s", "decode_steps", "context",
+            "loss_tokens", "idle_rss_mb")
+PEAKS = ("generation_peak_above_idle_mb", "update_peak_above_idle_mb")
+KEYS = PER_STEP + PEAKS + ("peak_rss_mb",)
 
 
-def table(ours: dict, trl: dict) -> str:
+def run_figures(result: dict) -> tuple[dict, harness.LoadRecord]:
+    """One worker run as one harness attempt: the median of its measured steps per figure (peaks:
+    the max), and the load over its measured steps."""
+    steps = result["steps"]
+    figures = {k: statistics.median(s[k] for s in steps) for k in PER_STEP}
+    figures.update({k: max(s[k] for s in steps) for k in PEAKS})
+    figures.update(peak_rss_mb=result["peak_rss_mb"], rows=steps[0]["rows"], steps=steps, wall_s=result["wall_s"])
+    return figures, harness.combine([harness.LoadRecord.from_dict(s["load"]) for s in steps])
+
+
+def table(summary: dict, ratios: dict, sides: list[str]) -> str:
     rows = [
         ("step wall time (s)", "step_s", "{:.2f}"),
         ("  generation (s)", "generation_s", "{:.2f}"),
@@ -320,13 +484,110 @@ def table(ours: dict, trl: dict) -> str:
         ("generated tokens / step", "tokens", "{:.0f}"),
         ("generation tokens/s", "gen_tokens_per_s", "{:.1f}"),
         ("peak RSS (MB)", "peak_rss_mb", "{:.0f}"),
+        ("idle RSS, weights loaded (MB)", "idle_rss_mb", "{:.0f}"),
+        ("generation peak above idle (MB)", "generation_peak_above_idle_mb", "{:.0f}"),
+        ("update peak above idle (MB)", "update_peak_above_idle_mb", "{:.0f}"),
     ]
-    lines = [f"| {'':28} | {'lldslight':>10} | {'TRL':>10} | {'ratio':>6} |", f"|{'-' * 30}|{'-' * 12}|{'-' * 12}|{'-' * 8}|"]
+    head = f"| {'median [min-max] over rounds':32} |" + "".join(f" {s:>20} |" for s in sides)
+    lines = [head, "|" + "-" * 34 + "|" + "".join("-" * 22 + "|" for _ in sides)]
+    if len(sides) == 2:
+        lines[0] += f" {'ratio':>20} |"
+        lines[1] += "-" * 22 + "|"
     for label, key, fmt in rows:
-        a, b = ours[key], trl[key]
-        ratio = a / b if b else float("nan")
-        lines.append(f"| {label:28} | {fmt.format(a):>10} | {fmt.format(b):>10} | {ratio:>6.2f} |")
+        line = f"| {label:32} |" + "".join(f" {harness.fmt_spread(summary[s][key], fmt):>20} |" for s in sides)
+        if len(sides) == 2:
+            r = ratios[key]
+            line += f" {r['ratio_of_medians']:.2f} [{r['spread']['min']:.2f}-{r['spread']['max']:.2f}]".rjust(21) + " |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def bounds_table(fractions: dict, sides: list[str]) -> str:
+    lines = []
+    for s in sides:
+        f = fractions[s]
+        lines.append(
+            f"  {s:9}: decode step {f['decode_step_ms']:.1f} ms vs bound {f['decode_bound_ms']:.1f} ms "
+            f"(memory {f['decode_memory_bound_ms']:.1f}, FLOPs {f['decode_compute_bound_ms']:.1f}; matmuls alone "
+            f"{f['decode_matmuls_ms']:.1f}) = {f['generation_fraction_of_bound']:.0%} of the bound; update "
+            f"{f['update_gflops']:.1f} GFLOP/s of {f['ceiling_gflops']:.0f} = {f['update_fraction_of_ceiling']:.0%} of the ceiling")
+    return "\n".join(lines)
+
+
+def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: dict, policy: harness.Policy, shape) -> dict:
+    import bounds
+
+    spec = dict(spec, threads=threads)
+    out: dict = {"threads": threads}
+    if not args.no_bounds:
+        out["bounds"] = bounds.measure(threads, shape, rows=len(spec["prompts"]) * spec["group_size"])
+
+    def run(side):
+        return run_figures(run_worker(side, pythons[side], spec, args.timeout))
+
+    def describe(side, m):
+        return f"step {m['step_s']:.1f} s (gen {m['generation_s']:.1f}, update {m['update_s']:.1f}), peak RSS {m['peak_rss_mb']:.0f} MB;"
+
+    attempts = harness.alternate(sides, run, args.rounds, policy, describe=describe)
+    out["quiet"] = harness.quiet_summary(attempts, policy)
+    out["sides"] = {s: harness.side_summary(attempts, s, list(KEYS)) for s in sides}
+    out["attempts"] = [a.to_dict() for a in attempts]
+    if len(sides) == 2:
+        out["ratios"] = {k: harness.ratio_summary(attempts, "lldslight", "trl", k) for k in KEYS}
+        out["step_time_ratio"] = out["ratios"]["step_s"]["ratio_of_medians"]
+    if "bounds" in out:
+        out["fractions"] = {}
+        for s in sides:
+            med = {k: v["median"] for k, v in out["sides"][s].items()}
+            kept_run = min(harness.kept(attempts, s), key=lambda a: abs(a.metrics["step_s"] - med["step_s"]))
+            med.update(rows=kept_run.metrics["rows"], lengths=kept_run.metrics["steps"][0]["lengths"])
+            out["fractions"][s] = bounds.step_fractions(out["bounds"], shape, med, lora_r=spec["lora_r"], head_recompute=s == "lldslight")
+        first = harness.kept(attempts, sides[0])[0].metrics["steps"][0]
+        out["update_variants_gflop"] = bounds.update_variants(shape, first["lengths"], first["loss_tokens"], spec["lora_r"])
+    return out
+
+
+def print_threads(res: dict, args, sides: list[str]) -> None:
+    print()
+    print(
+        f"GRPO step, single-turn, SmolLM2-135M-Instruct fp32 LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
+        f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
+        f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)"
+    )
+    print(table(res["sides"], res.get("ratios", {}), sides))
+    if "fractions" in res:
+        b = res["bounds"]
+        print(f"bounds at {res['threads']} thread(s): read {bounds_read(b):.1f} GB/s, sgemm {b['sgemm_gflops']['square_2048']:.0f} GFLOP/s "
+              f"(2048^2), decode-shape sgemm " + ", ".join(f"{k} {v:.0f}" for k, v in b["sgemm_gflops"].items() if k != "square_2048"))
+        print(bounds_table(res["fractions"], sides))
+        print("  update GFLOP for this work: " + ", ".join(f"{k} {v:.1f}" for k, v in res["update_variants_gflop"].items()))
+    if "step_time_ratio" in res:
+        r = res["ratios"]["step_s"]
+        print(f"step_time_ratio (lldslight / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
+              f"(per round {', '.join(f'{x:.2f}' for x in r['per_round'])})")
+    print(harness.quiet_line(res["quiet"]))
+
+
+def bounds_read(b: dict) -> float:
+    import bounds
+
+    return bounds.read_gbs(b)
+
+
+def profile(args, spec: dict, sides: list[str], pythons: dict) -> None:
+    from profiling import print_shares
+
+    threads = [int(t) for t in args.threads.split(",")]
+    spec = dict(spec, threads=threads[0], steps=1, profile=True)
+    for side in sides:
+        res = run_worker(side, pythons[side], spec, args.timeout)
+        step = res["steps"][0]
+        load = step["load"]
+        print_shares(res["profile"], f"[profile] {side}, {threads[0]} thread(s): one step of {step['step_s']:.1f} s under the profiler "
+                     f"(profiled total {res['profile']['total_s']:.1f} s); load average {load['loadavg_start'][0]:.2f}, "
+                     f"other processes {load['other_cores']:.2f} cores")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": spec, "profile": {side: res["profile"]}, "step": step}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -340,14 +601,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0 = no reference pass, both sides)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating A B rounds; medians over rounds x steps")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=harness.MIN_ROUNDS, help="alternating A B rounds per thread count; medians over rounds")
+    p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, each measured in turn")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=["lldslight", "trl"], default=None, help="run one side (debugging)")
-    p.add_argument("--trl-python", default=None, help="interpreter with trl installed (default: benchmarks/.venv-trl, created on demand)")
+    p.add_argument("--only", choices=SIDES, default=None, help="run one side (debugging)")
+    p.add_argument("--no-bounds", action="store_true", help="skip measuring bandwidth and sgemm ceilings")
+    p.add_argument("--profile", action="store_true", help="profile one step of lldslight (or --only trl) and print where the time goes")
+    p.add_argument("--trl-python", default=None, help="interpreter with trl installed (default: $LLDSLIGHT_TRL_PYTHON, else "
+                                                      "benchmarks/.venv-trl, created on demand)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker run")
     p.add_argument("--json", default=None, help="write the figures here")
-    p.add_argument("--worker", choices=["lldslight", "trl"], help=argparse.SUPPRESS)
+    harness.add_arguments(p)
+    p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -360,9 +625,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be in 1..{len(PROMPTS)}, got {args.prompts}")
+    import bounds
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
-    model_dir = resolve_model_dir(PolicyConfig())  # de-quantises the bundled GGUF once
+    model_dir = str(resolve_model_dir(PolicyConfig()))  # de-quantises the bundled GGUF once
+    shape = bounds.model_shape(model_dir)
     spec = {
         "model_dir": model_dir,
         "prompts": PROMPTS[: args.prompts],
@@ -375,37 +642,27 @@ def main(argv: list[str] | None = None) -> None:
         "beta": args.beta,
         "steps": args.steps,
         "warmup": 1,
-        "threads": args.threads,
         "seed": args.seed,
     }
-    sides = [args.only] if args.only else ["lldslight", "trl"]
+    sides = [args.only] if args.only else (["lldslight"] if args.profile else list(SIDES))
     pythons = {"lldslight": sys.executable}
     if "trl" in sides:
         pythons["trl"] = ensure_trl_venv(args.trl_python)
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
-    for rnd in range(args.rounds):
-        for side in sides:
-            res = run_worker(side, pythons[side], spec, args.timeout)
-            runs[side].append(res)
-            steps = ", ".join(f"{s['step_s']:.1f}" for s in res["steps"])
-            print(f"[step] round {rnd + 1}/{args.rounds} {side:9} steps [{steps}] s, peak RSS {res['peak_rss_mb']:.0f} MB, run {res['wall_s']:.0f} s", flush=True)
-
-    figures = {s: summarise(r) for s, r in runs.items()}
-    report = {"config": {k: v for k, v in spec.items() if k != "prompts"}, "machine": machine(), **figures}
-    print()
-    print(
-        f"GRPO step, single-turn, SmolLM2-135M-Instruct fp32 LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
-        f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step; "
-        f"medians of {args.rounds} alternating runs x {args.steps} steps; {args.threads} threads"
-    )
+    if args.profile:
+        profile(args, spec, sides, pythons)
+        return
+    policy = harness.policy_from_args(args)
+    report: dict = {"config": {k: v for k, v in spec.items() if k != "prompts"}, "machine": machine(), "threads": {}}
+    for t in [int(x) for x in args.threads.split(",")]:
+        res = measure_threads(t, args, spec, sides, pythons, policy, shape)
+        report["threads"][str(t)] = res
+        print_threads(res, args, sides)
+        if args.json:  # after each thread count: a long run that stops later keeps what it measured
+            Path(args.json).write_text(json.dumps(report, indent=1))
     if len(sides) == 2:
-        ours, theirs = figures["lldslight"], figures["trl"]
-        report["step_time_ratio"] = ours["step_s"] / theirs["step_s"]
-        report["peak_rss_ratio"] = ours["peak_rss_mb"] / theirs["peak_rss_mb"]
-        report["generation_tokens_per_s_ratio"] = ours["gen_tokens_per_s"] / theirs["gen_tokens_per_s"]
-        print(table(ours, theirs))
-    else:
-        print(json.dumps({k: v for k, v in figures[sides[0]].items() if k != "all_steps"}, indent=1))
+        report["step_time_ratio"] = {t: r["step_time_ratio"] for t, r in report["threads"].items()}
+        print("\nstep_time_ratio: " + ", ".join(f"{t} thread(s) {r:.3f}" for t, r in report["step_time_ratio"].items()))
+    report["quiet"] = all(r["quiet"]["quiet"] for r in report["threads"].values())
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
@@ -420,7 +677,6 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "loadavg_at_end": os.getloadavg(),
     }
 
 

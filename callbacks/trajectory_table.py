@@ -17,8 +17,6 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
-from lldslight.rewards import extract_answer
-
 _SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
@@ -55,14 +53,15 @@ class TrajectoryTable(pl.Callback):
             "|---|---|---|---|---|---|---|---|",
         ]
         for i in self._pick(traj):
-            searches = [s.strip() for s in _SEARCH.findall(traj.responses[i])]
+            # the model's own text: a retrieved passage may contain any tag
+            searches = [s.strip() for s in _SEARCH.findall(traj.model_texts[i])]
             adv = float(traj.advantage[i]) if traj.advantage is not None else float("nan")
             cells = [
                 str(i),
                 traj.questions[i],
                 " / ".join(traj.golden_answers[i]),
                 " ; ".join(searches) or "-",
-                extract_answer(traj.responses[i]) or "-",
+                traj.answers[i] or "-",
                 f"{float(traj.reward[i]):.2f}",
                 f"{adv:+.2f}",
                 traj.finish_reason[i],

@@ -24,6 +24,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lldslight.errors import CheckpointError
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's torch checkpoint IO with a crash-safe write for local paths: a kill at any moment
@@ -36,6 +38,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         atomic_torch_save(checkpoint, Path(target.removeprefix("file://")))
+
+    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except Exception as err:
+            # A damaged file surfaces as OSError, RuntimeError("PytorchStreamReader ..."), EOFError, ...
+            # Name it, and the newest valid checkpoint beside it, when our own reading finds it damaged.
+            from lldslight.preflight import checkpoint_error, checkpoint_problem
+
+            local = Path(str(path).removeprefix("file://"))
+            problem = checkpoint_problem(local) if "://" not in str(path).removeprefix("file://") and local.is_file() else None
+            if problem is None:
+                raise
+            raise checkpoint_error(local, problem) from err
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -115,8 +132,8 @@ def pick_rng(saved: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]
 def check_state_keys(
     model_shapes: dict[str, torch.Size], trainable: set[str], saved_shapes: dict[str, Any], source: str
 ) -> None:
-    """Raise a ValueError naming the keys when a checkpoint does not fit the model: weights the model
-    lacks, trainable weights the checkpoint lacks, or shapes that differ."""
+    """Raise a CheckpointError (a ValueError) naming the keys when a checkpoint does not fit the
+    model: weights the model lacks, trainable weights the checkpoint lacks, or shapes that differ."""
     unexpected = sorted(set(saved_shapes) - set(model_shapes))
     missing = sorted(trainable - set(saved_shapes))
     mismatched = sorted(
@@ -140,7 +157,7 @@ def check_state_keys(
             "  shapes differ: "
             + show([f"{k} {tuple(saved_shapes[k])} vs model {tuple(model_shapes[k])}" for k in mismatched])
         )
-    raise ValueError("\n".join(lines))
+    raise CheckpointError("\n".join(lines))
 
 
 # -- `--ckpt_path last` -----------------------------------------------------------------------------

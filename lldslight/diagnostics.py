@@ -18,6 +18,8 @@ from typing import Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lldslight.objectives import action_sums
+
 SumCount = tuple[float, float]
 CorrectSet = Literal["positive_advantage", "reward"]
 
@@ -103,6 +105,106 @@ def likelihood_delta(before: Tensor, after: Tensor, mask: Tensor) -> SumCount:
     """(sum, count) of after - before over ``mask``: the per-token change of log-likelihood that a
     training step caused on the same tokens (negative = the likelihood fell)."""
     return token_sum_count(after - before, mask)
+
+
+def gate_open_stats(before: Tensor, after: Tensor, mask: Tensor, action_id: Tensor) -> dict[str, SumCount]:
+    """How often the LLDS gate would open: the share of actions, and of responses, whose summed
+    log-likelihood fell between ``before`` (pi_old) and ``after`` (the weights after the step), i.e.
+    sum of d = before - after over the action's (response's) tokens > 0. ``mask`` selects the
+    tokens measured (the preserving set: model tokens of responses with A >= 0); an action or a
+    response counts when it has at least one such token. Non-finite d are left out.
+
+    Keys: lld/gate_open_actions, lld/gate_open_responses as (opened, counted).
+    """
+    d = before - after
+    keep = mask.bool() & torch.isfinite(d)
+    d = d.masked_fill(~keep, 0.0)
+    has_token = action_sums(keep.to(d.dtype), action_id) > 0  # [B, T]: slot a = action a exists
+    opened = has_token & (action_sums(d, action_id) > 0)
+    rows = keep.any(-1)
+    return {
+        "lld/gate_open_actions": (float(opened.sum()), float(has_token.sum())),
+        "lld/gate_open_responses": (float((rows & (d.sum(-1) > 0)).sum()), float(rows.sum())),
+    }
+
+
+# ------------------------------------------------------------------------------ control tokens and tools
+
+CONTROL_TAGS = {"search_open": "<search>", "search_close": "</search>", "answer_open": "<answer>", "answer_close": "</answer>"}
+
+
+def tag_spans(pieces: Sequence[str], tags: dict[str, str] = CONTROL_TAGS) -> dict[str, list[tuple[int, int]]]:
+    """For each tag, its occurrences in the text ``"".join(pieces)`` (``pieces[i]`` = the text of token
+    i) as (first, last) token indices: the tokens that spell it, from the one holding its first
+    character to the one that completes it (the same token when the tokenizer has the tag as one
+    token). Occurrences never overlap (a tag has no repeated prefix)."""
+    ends, total = [], 0
+    for piece in pieces:
+        total += len(piece)
+        ends.append(total)  # ends[i]: characters of text up to and including token i
+    text = "".join(pieces)
+
+    def token_at(char: int) -> int:
+        return next(i for i, e in enumerate(ends) if e > char)
+
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, tag in tags.items():
+        found, start = [], text.find(tag)
+        while start != -1:
+            found.append((token_at(start), token_at(start + len(tag) - 1)))
+            start = text.find(tag, start + len(tag))
+        out[name] = found
+    return out
+
+
+def control_token_stats(
+    input_ids: Tensor, loss_mask: Tensor, action_id: Tensor, sample_logp: Tensor, decode_tokens, eos_ids: Sequence[int]
+) -> dict[str, SumCount]:
+    """(sum, count) of the sampling probability of the control tokens the model wrote, per kind.
+
+    A tag (<search>, </search>, <answer>, </answer>) in a model action counts with the joint
+    probability of the tokens that spell it (``tag_spans``), exp of the sum of their sampled
+    log-probs: BPE tokenizers often split "<search>" into "<", "search", ">", where the last token
+    is near-certain and the decision sits in the first ones. A one-token tag counts with that
+    token's probability; so does every sampled EOS token (``eos_ids``). Actions are decoded token
+    by token with ``decode_tokens`` (list of ids -> list of strings, special tokens kept); text in
+    observations is never counted.
+
+    Keys: diag/p_search_open, diag/p_search_close, diag/p_answer_open, diag/p_answer_close, diag/p_eos.
+    """
+    sums = {name: [0.0, 0.0] for name in (*CONTROL_TAGS, "eos")}
+    eos = set(int(i) for i in eos_ids)
+    mask = loss_mask.bool()
+    for b in range(input_ids.shape[0]):
+        cols = mask[b].nonzero()[:, 0]
+        if not len(cols):
+            continue
+        ids, acts, logp = input_ids[b, cols].tolist(), action_id[b, cols].tolist(), sample_logp[b, cols].double().tolist()
+        start = 0
+        for end in range(1, len(ids) + 1):
+            if end < len(ids) and acts[end] == acts[start]:
+                continue
+            action = ids[start:end]  # one action: a maximal run of model tokens
+            for name, spans in tag_spans(decode_tokens(action)).items():
+                for first, last in spans:
+                    sums[name][0] += math.exp(sum(logp[start + first : start + last + 1]))
+                    sums[name][1] += 1
+            for i, tok in enumerate(action):
+                if tok in eos:
+                    sums["eos"][0] += math.exp(logp[start + i])
+                    sums["eos"][1] += 1
+            start = end
+    return {f"diag/p_{name}": (total, count) for name, (total, count) in sums.items()}
+
+
+def tool_call_stats(num_searches: Tensor, num_actions: Tensor) -> dict[str, SumCount]:
+    """diag/tool_call_rate: share of responses with at least one valid search; diag/searches_per_action:
+    valid searches / actions, all responses together (k searches then an answer: k / (k + 1)). Both
+    fall towards 0 when the agent stops calling the tool ("interaction collapse")."""
+    return {
+        "diag/tool_call_rate": (float((num_searches > 0).sum()), float(num_searches.numel())),
+        "diag/searches_per_action": (float(num_searches.sum()), float(num_actions.sum())),
+    }
 
 
 # ------------------------------------------------------------------------------ phases

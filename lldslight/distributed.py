@@ -19,15 +19,20 @@ Two things differ from the usual ``loss = model(batch)`` FSDP2 program, and this
   with no collective at all, and frees the gathered weights at the end (one all-gather per layer
   per rollout instead of one per layer per token).
 
+Gradient accumulation over micro-batches holds the gradient reduction back until a mini-batch's
+last backward (:func:`gradient_sync`: DDP's ``no_sync`` through Lightning, FSDP2's
+``set_requires_gradient_sync``), so a mini-batch costs one reduction however it is cut.
+
 Lightning's ``FSDPStrategy`` (FSDP1) would need both done differently (its root is Lightning's
 wrapper, generation would go through ``summon_full_params``); that is not implemented, so the
 module refuses FSDP1 with a message pointing here. DDP needs nothing from this file except
-:func:`all_ranks_agree`.
+:func:`all_ranks_agree` and :func:`all_ranks_min`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, TypeVar
+from typing import Any, Callable, Iterator, Literal, Optional, TypeVar
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -157,13 +162,96 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     Decisions that change weights (accept or veto an update) must be identical on all ranks, or
     replicas silently diverge (DDP) or collectives go unmatched (FSDP).
     """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    if torch.distributed.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return all_ranks_min(1 if flag else 0, device) == 1
+
+
+def all_ranks_min(value: int, device: torch.device) -> int:
+    """The smallest ``value`` over all ranks (one tiny all-reduce; ``value`` in one process)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([int(value)], dtype=torch.long, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item() > 0.5)
+    return int(t.item())
+
+
+def world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over every rank (one all-reduce; ``t`` itself in one process)."""
+    if world_size() > 1:
+        t = t.clone()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: torch.device) -> dict[str, float]:
+    """``values`` reduced over ranks by their kind ("sum", "max" or "mean"): one all-reduce per kind.
+    Every rank must pass the same keys."""
+    if world_size() == 1:
+        return dict(values)
+    out = dict(values)
+    for kind, op in (("sum", "SUM"), ("mean", "SUM"), ("max", "MAX")):
+        keys = sorted(k for k in values if kinds[k] == kind)
+        if not keys:
+            continue
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
+        if kind == "mean":
+            t = t / world_size()
+        out.update(zip(keys, t.tolist()))
+    return out
+
+
+@contextlib.contextmanager
+def gradient_sync(pl_module: Any, enabled: bool) -> Iterator[None]:
+    """Backward passes in this block reduce gradients across ranks only when ``enabled``; otherwise
+    they accumulate locally (each rank may then run any number of them) and the next enabled
+    backward reduces the sum. DDP: Lightning's ``strategy.block_backward_sync()`` (DDP's
+    ``no_sync``); FSDP2: ``set_requires_gradient_sync`` on the sharded policy."""
+    trainer = getattr(pl_module, "_trainer", None)
+    if enabled or trainer is None or trainer.world_size <= 1:
+        yield
+    elif is_sharded(pl_module.policy):
+        pl_module.policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            pl_module.policy.set_requires_gradient_sync(True)
+    else:
+        block = getattr(trainer.strategy, "block_backward_sync", None)
+        with block() if block is not None else contextlib.nullcontext():
+            yield
+
+
+def data_parallel_mesh(mesh: Any, hparams: Any) -> Any:
+    """The data-parallel mesh to shard the policy over with FSDP2, from the one Lightning's
+    ModelParallelStrategy gives the module (None under DDP or on one device: no sharding). Refuses
+    the settings sharding cannot serve, before the model is loaded."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"ModelParallelStrategy gave tensor_parallel_size={mesh['tensor_parallel'].size()}: lldslight "
+            "shards with FSDP2 over data parallelism only. Use lldslight.distributed.FSDP2Strategy, or set "
+            "data_parallel_size to the number of processes and tensor_parallel_size: 1."
+        )
+    if hparams.get("micro_batch_tokens"):
+        raise ValueError(
+            "model.micro_batch_tokens packs each process's rows on its own, and under FSDP2 every forward "
+            "is a collective that needs the same number of micro-batches on every rank: use "
+            "model.micro_batch_size under FSDP2 (packing works under strategy: ddp)"
+        )
+    if hparams.get("optimizer") == "adamw8bit":
+        raise ValueError(
+            "model.optimizer: adamw8bit (bitsandbytes) cannot step FSDP2's sharded DTensor parameters; "
+            "use optimizer: adamw under FSDP2, or strategy: ddp for 8-bit AdamW"
+        )
+    return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
 def fsdp2_strategy_check(strategy: Any) -> None:

@@ -1,5 +1,10 @@
 """Evaluation records and their summary: EM, F1, searches, invalid actions, answered rate, per
-data_source and averaged (the paper averages its seven benchmarks with equal weight)."""
+data_source and averaged (the paper averages its seven benchmarks with equal weight).
+
+One path for every evaluation (Lightning's validate/test loops in GRPOModule, and SearchRollout's
+before/after-fit evaluation): ``trajectory_records`` per batch, then :func:`finish` (gather over
+ranks, summary, report files) and :func:`flat_metrics` (what is logged).
+"""
 from __future__ import annotations
 
 import json
@@ -24,6 +29,7 @@ def trajectory_records(traj: Trajectory) -> list[dict[str, Any]]:
                 "question": traj.questions[i] if traj.questions else "",
                 "golden_answers": traj.golden_answers[i] if traj.golden_answers else [],
                 "response": traj.responses[i],
+                "answer": traj.answers[i] if traj.answers else None,  # from the model's last action: what em/f1 scored
                 "group_id": int(traj.group_id[i]),
                 "em": float(traj.em[i]) if traj.em is not None else 0.0,
                 "f1": float(traj.f1[i]) if traj.f1 is not None else 0.0,
@@ -81,3 +87,25 @@ def write_report(summary: dict[str, Any], records: list[dict], out_dir: str | Pa
     json_path.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
     md_path.write_text(markdown_table(summary))
     return json_path, md_path
+
+
+def finish(records: list[dict], stage: str, trainer: Any, write: bool = True, step: int | None = None) -> dict[str, Any]:
+    """The end of an evaluation: every rank's records gathered (a collective: call it on every rank),
+    summarised, and with ``write`` reported by rank 0 as ``{stage}_step{N}.json`` / ``.md`` in the
+    logger's directory; N is ``step`` (default: the trainer's global step). Returns {"stage", "step",
+    "summary"} and "report" (the markdown path)."""
+    records = gather_records(records)
+    step = trainer.global_step if step is None else step
+    result: dict[str, Any] = {"stage": stage, "step": step, "summary": summarise(records)}
+    if write and trainer.is_global_zero and trainer.log_dir:
+        _, md_path = write_report(result["summary"], records, trainer.log_dir, f"{stage}_step{step}")
+        result["report"] = str(md_path)
+    return result
+
+
+def flat_metrics(summary: dict[str, Any], stage: str) -> dict[str, float]:
+    """``stage/<metric>`` over all examples and ``stage/em/<data_source>`` per source."""
+    flat = {f"{stage}/{k}": float(v) for k, v in summary["overall"].items()}
+    for source, values in summary["per_source"].items():
+        flat[f"{stage}/em/{source}"] = values["em"]
+    return flat

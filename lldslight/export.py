@@ -4,19 +4,22 @@ vLLM or any other transformers-compatible tool loads without lldslight.
 
 A checkpoint holds only the trained weights (the adapter under LoRA); the base comes from the
 policy config the checkpoint stores in its hyper-parameters (``model.policy``), loaded again from
-the same place (hub id, directory, GGUF or random init with its seed) and without quantization:
-an adapter trained on a 4-bit base is merged into the full-precision base.
+the same place (hub id, directory, GGUF or random init with its seed). A quantized base (QLoRA)
+is quantized as in training and dequantized to float32 before the merge: the adapter was trained
+against the dequantized 4/8-bit weights, not the original ones, so the export is the policy that
+was trained (saved in ``--dtype``, by default model.policy.dtype, bfloat16 when that is "auto").
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from lldslight.errors import ArgumentParser, CheckpointError
 from lldslight.policy import LoRAConfig, PolicyConfig
+from lldslight.preflight import check_checkpoint
 
 
 def policy_from_hparams(value: Any) -> PolicyConfig:
@@ -40,21 +43,20 @@ def load_checkpoint(path: Path) -> dict:
     from lldslight.distributed import FSDPConfig
 
     if path.is_dir():
-        raise ValueError(
+        raise CheckpointError(
             f"{path} is a directory (a sharded FSDP2 checkpoint, save_distributed_checkpoint: true). Export "
             "needs a single-file checkpoint: train with FSDP2Strategy(save_distributed_checkpoint=false), "
             "the default, or convert it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save."
         )
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+    check_checkpoint(path)  # missing or truncated: one line, with the newest valid checkpoint beside it
     # Our own config dataclasses may be pickled in the hyper-parameters; nothing else is trusted.
     with torch.serialization.safe_globals([PolicyConfig, LoRAConfig, FSDPConfig]):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "hyper_parameters"):
         if key not in checkpoint:
-            raise ValueError(f"{path} has no {key!r}: not a checkpoint written by lldslight fit")
+            raise CheckpointError(f"{path} has no {key!r}: not a checkpoint written by lldslight fit")
     if "policy" not in checkpoint["hyper_parameters"]:
-        raise ValueError(f"{path}: hyper_parameters has no 'policy' (not a GRPOModule checkpoint)")
+        raise CheckpointError(f"{path}: hyper_parameters has no 'policy' (not a GRPOModule checkpoint)")
     return checkpoint
 
 
@@ -67,8 +69,8 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
     # Merge in float32 on whatever machine this runs on; cast once at the end.
     target = dtype or (policy.dtype if policy.dtype != "auto" else "bfloat16")
-    build = dataclasses.replace(policy, dtype="float32", quantization=None, gradient_checkpointing=False)
-    model, tokenizer = load_policy(build)
+    build = dataclasses.replace(policy, dtype="float32", gradient_checkpointing=False)
+    model, tokenizer = load_policy(build, dequantize=True)
     state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
     if not state:
         raise ValueError(f"{ckpt}: the checkpoint holds no policy weights")
@@ -86,11 +88,12 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
         "policy": dataclasses.asdict(policy),
         "dtype": target,
         "adapter_merged": policy.lora is not None,
+        "base": f"{policy.quantization} dequantized to float32" if policy.quantization else "as loaded, float32",
     })
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lldslight export",
         description="Merge a checkpoint's LoRA adapter into its base model and save a Hugging Face model directory.",
     )

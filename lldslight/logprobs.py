@@ -15,19 +15,23 @@ from torch.utils.checkpoint import checkpoint
 from lldslight.policy import decoder_and_head
 
 
-def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True):
-    logits = head(hidden).float()
+def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, entropy: str, logged: list):
+    """log-probs of ``targets`` [n] from ``hidden`` [n, H]; the entropy [n] too when ``entropy`` is
+    "loss" (returned, with graph). A "logged" entropy (no graph) goes into ``logged`` on the first
+    call only: under activation checkpointing the backward calls this again to rebuild the chunk's
+    activations, and a diagnostic needs no rebuilding."""
+    logits = head(hidden)  # [n, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16/fp16 upcast)
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    # An entropy that is only logged needs no graph: its [n, V] intermediates are then freed at once
-    # instead of being kept for a backward that never uses them.
-    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    if entropy == "loss":
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
+    if entropy == "logged" and not logged:
+        with torch.no_grad():  # its [n, V] intermediates are freed at once
+            logged.append(-(logp_all.exp() * logp_all).sum(-1))
+    return logp, None
 
 
 def token_logprobs(
@@ -44,7 +48,8 @@ def token_logprobs(
 
     ``entropy_grad=False``: the entropy is a detached diagnostic (no entropy bonus in the loss).
 
-    Returns two float32 [B, T] tensors, zero where ``mask`` is off (including t = 0).
+    Returns two [B, T] tensors in float32 (float64 for a float64 model), zero where ``mask`` is off
+    (including t = 0).
     """
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -53,19 +58,22 @@ def token_logprobs(
     rows, cols = mask.nonzero(as_tuple=True)
     selected = hidden[rows, cols - 1]
     targets = input_ids[rows, cols]
+    mode = ("loss" if entropy_grad else "logged") if with_entropy else "none"
     logp_parts, entropy_parts = [], []
     need_grad = torch.is_grad_enabled() and selected.requires_grad
     for start in range(0, selected.shape[0], chunk_size):
         h, y = selected[start : start + chunk_size], targets[start : start + chunk_size]
+        logged: list[Tensor] = []  # a fresh one per chunk: filled by the forward, full when recomputed
         if need_grad:
-            lp, ent = checkpoint(_chunk_stats, head, h, y, temperature, with_entropy, entropy_grad, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_stats, head, h, y, temperature, mode, logged, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(head, h, y, temperature, with_entropy, entropy_grad)
+            lp, ent = _chunk_stats(head, h, y, temperature, mode, logged)
         logp_parts.append(lp)
-        entropy_parts.append(ent)
-    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-    entropy = torch.zeros_like(logp)
-    if logp_parts:
-        logp = logp.index_put((rows, cols), torch.cat(logp_parts))
-        entropy = entropy.index_put((rows, cols), torch.cat(entropy_parts))
+        entropy_parts.append(ent if ent is not None else logged[0] if logged else torch.zeros_like(lp))
+    if not logp_parts:
+        logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        return logp, torch.zeros_like(logp)
+    values = torch.cat(logp_parts)
+    logp = values.new_zeros(input_ids.shape).index_put((rows, cols), values)
+    entropy = values.new_zeros(input_ids.shape).index_put((rows, cols), torch.cat(entropy_parts))
     return logp, entropy

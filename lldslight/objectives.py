@@ -3,6 +3,10 @@
 Shapes: B rows (one rollout each), T token positions. Per-token tensors are [B, T] and aligned
 with ``input_ids``: ``logp[b, t]`` is log pi(input_ids[b, t] | input_ids[b, :t]). ``mask`` is the
 loss mask (1 on model-generated tokens only). Nothing here knows about Lightning or models.
+
+Every loss is a sum over the given rows' tokens (or rows) divided by a normaliser the caller
+passes in: the total of the whole mini-batch (lldslight/update.py), so that a mini-batch cut into
+micro-batches, packed by tokens or spread over ranks sums to the same loss and gradient.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k3"]
 LLDSGate = Literal["action", "response", "token"]
 LLDSNormaliser = Literal["preserving", "all"]
+BetaRule = Literal["paper", "official"]
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -43,37 +48,46 @@ def group_advantages(
 
 
 def clipped_surrogate(
-    logp: Tensor, old_logp: Tensor, advantage: Tensor, eps_low: float = 0.2, eps_high: float | None = None
+    logp: Tensor,
+    old_logp: Tensor,
+    advantage: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    ratio_clamp: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO-clip per token: -min(gamma A, clip(gamma, 1-eps_low, 1+eps_high) A).
+    """PPO-clip per token: -min(gamma A, clip(gamma, 1-eps_low, 1+eps_high) A), gamma = exp(logp - old).
 
-    ``advantage`` is per row [B] (broadcast over tokens). Returns (loss [B,T], ratio [B,T],
-    clipped [B,T] bool: the clipped branch was the active one).
+    ``advantage`` is per row [B] (broadcast over tokens). ``ratio_clamp``: gamma is first capped
+    at this value (the official LLDS code caps it at 100; the paper and Search-R1 do not), which
+    bounds the loss and zeroes the gradient of a token whose ratio exploded with A < 0.
+    Returns (loss [B,T], ratio [B,T] before the cap, clipped [B,T] bool: the clipped branch was
+    the active one).
     """
     eps_high = eps_low if eps_high is None else eps_high
     ratio = torch.exp(logp - old_logp)
+    gamma = ratio if ratio_clamp is None else ratio.clamp(max=ratio_clamp)
     adv = advantage.unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    unclipped = gamma * adv
+    clipped = gamma.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     return loss, ratio, clipped < unclipped
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation = "seq-mean-token-mean") -> Tensor:
-    """Reduce a per-token loss to a scalar.
+def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation, normaliser: float | Tensor) -> Tensor:
+    """Reduce a per-token loss to this batch's part of a mini-batch scalar.
 
-    seq-mean-token-mean (paper): mean over each response's tokens, then over responses that have
-    any. token-mean (official code): one mean over every unmasked token of the micro-batch.
+    seq-mean-token-mean (paper): each response's token mean, summed over responses, divided by
+    ``normaliser`` = the mini-batch's responses that have model tokens. token-mean (official
+    code): the token sum divided by ``normaliser`` = the mini-batch's model tokens.
     """
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
-        return masked_mean(loss, mask)
-    if mode == "seq-mean-token-mean":
-        tokens = mask.sum(-1)
-        per_seq = (loss * mask).sum(-1) / tokens.clamp(min=1.0)
-        has_tokens = (tokens > 0).to(loss.dtype)
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    raise ValueError(f"unknown aggregation {mode!r}: use 'token-mean' or 'seq-mean-token-mean'")
+        total = (loss * mask).sum()
+    elif mode == "seq-mean-token-mean":
+        total = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()  # a row without tokens adds 0
+    else:
+        raise ValueError(f"unknown aggregation {mode!r}: use 'token-mean' or 'seq-mean-token-mean'")
+    return total / max(float(normaliser), 1.0)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -89,16 +103,32 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
     raise ValueError(f"unknown KL estimator {estimator!r}: use 'k1' or 'k3'")
 
 
-def answer_weight_beta(mean_valid_searches: float, rule: Literal["paper", "official"] = "paper") -> float:
-    """LLDS-MA's weight on the final-answer tokens from V, the mean valid searches per trajectory.
+def answer_weight_beta(
+    mean_valid_searches: float, rule: BetaRule = "paper", coef: float = 1.0, answer_coef: float | None = None
+) -> float:
+    """LLDS-MA's weight beta on the final-answer tokens from V, the mean valid searches per trajectory.
 
-    paper: min(V/2, 1). official code: clip(V-1, 0, 1).
+    paper: min(V/2, 1). official code: answer tokens get the coefficient
+    min(answer_coef * max(V-1, 0), coef) instead of lambda = ``coef``, i.e.
+    beta = min(answer_coef * max(V-1, 0), coef) / coef; ``answer_coef`` defaults to ``coef``,
+    which gives clip(V-1, 0, 1).
     """
     if rule == "paper":
         return min(mean_valid_searches / 2.0, 1.0)
     if rule == "official":
-        return min(max(mean_valid_searches - 1.0, 0.0), 1.0)
+        lam_answer = coef if answer_coef is None else answer_coef
+        if coef <= 0:
+            return 1.0  # lambda = 0: the term is off and its answer weight moot
+        return min(lam_answer * max(mean_valid_searches - 1.0, 0.0), coef) / coef
     raise ValueError(f"unknown answer-weight rule {rule!r}: use 'paper' or 'official'")
+
+
+def action_sums(values: Tensor, action_id: Tensor) -> Tensor:
+    """Per-action sums: out[b, a] = sum of ``values[b, t]`` over the tokens t of action a of row b
+    ([B, T] -> [B, T]; slots past a row's last action are 0). ``values`` must be 0 off the model
+    tokens (action_id -1 maps to slot 0). One scatter: an action has at least one token, so T
+    slots always suffice and sizing them needs no host sync."""
+    return torch.zeros_like(values).scatter_add_(1, action_id.clamp(min=0), values)
 
 
 def llds_penalty(
@@ -107,8 +137,8 @@ def llds_penalty(
     advantage: Tensor,
     mask: Tensor,
     action_id: Tensor,
+    normaliser: float | Tensor,
     gate: LLDSGate = "action",
-    normaliser: LLDSNormaliser = "preserving",
     token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old (PAPER.md §4).
@@ -118,12 +148,12 @@ def llds_penalty(
     action (gate="action": a maximal run of model tokens, ``action_id``), over its whole response
     ("response"), or the token alone ("token") is positive; it then contributes max(0, d) times
     its ``token_weight`` (LLDS-MA: beta on answer tokens, 1 elsewhere; the gate sums use the
-    unweighted d). The sum is divided by the number of model tokens in P ("preserving", paper) or
-    in the whole micro-batch ("all", official code).
+    unweighted d). The sum is divided by ``normaliser``: the mini-batch's model tokens of P
+    (paper) or all its model tokens (official code).
 
     The gradient w.r.t. ``logp`` is -weight/N on every contributing token and 0 elsewhere.
 
-    Returns (loss, diagnostics as detached float tensors):
+    Returns (loss, diagnostics as detached float tensors, counts over these rows):
         active_actions: (row, action) pairs with at least one contributing token;
         active_tokens: contributing tokens (gated in, d > 0, weight > 0);
         preserving_tokens: model tokens of P.
@@ -138,30 +168,18 @@ def llds_penalty(
     elif gate == "response":
         open_gate = preserving & (d_sum_source.sum(-1, keepdim=True) > 0)
     elif gate == "action":
-        # Sum d per (row, action) with one scatter and read it back per token. An action has at
-        # least one token, so T slots always suffice (and need no host sync to size).
-        index = action_id.clamp(min=0)
-        per_action = torch.zeros_like(d_sum_source).scatter_add_(1, index, d_sum_source)
-        open_gate = preserving & (per_action.gather(1, index) > 0)
+        open_gate = preserving & (action_sums(d_sum_source, action_id).gather(1, action_id.clamp(min=0)) > 0)
     else:
         raise ValueError(f"unknown LLDS gate {gate!r}: use 'action', 'response' or 'token'")
-
-    if normaliser == "preserving":
-        denominator = preserving.sum()
-    elif normaliser == "all":
-        denominator = model_tok.sum()
-    else:
-        raise ValueError(f"unknown LLDS normaliser {normaliser!r}: use 'preserving' or 'all'")
 
     contribution = torch.relu(d) * open_gate
     active = open_gate & (d_sum_source > 0)
     if token_weight is not None:
         contribution = contribution * token_weight
         active = active & (token_weight > 0)
-    loss = contribution.sum() / denominator.clamp(min=1).to(contribution.dtype)
+    loss = contribution.sum() / max(float(normaliser), 1.0)
 
-    index = action_id.clamp(min=0)
-    has_active = torch.zeros_like(d_sum_source).scatter_add_(1, index, active.to(d_sum_source.dtype)) > 0
+    has_active = action_sums(active.to(d_sum_source.dtype), action_id) > 0
     diagnostics = {
         "active_actions": has_active.sum().to(logp.dtype),
         "active_tokens": active.sum().to(logp.dtype),

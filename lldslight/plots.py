@@ -3,22 +3,44 @@
 A RUN_DIR is a directory holding the ``metrics.csv`` that Lightning's CSVLogger writes (e.g.
 runs/demo/version_0) of a run trained with the LLDMonitor callback. The figure has one panel per
 signal on a shared step axis: reward, the log-likelihood of correct (A > 0) and incorrect (A < 0)
-responses, the per-step likelihood change Delta of correct responses, entropy and grad norm. The
+responses, the per-step likelihood change Delta of correct responses, entropy, grad norm, the
+sampling probability of the control tokens (<search>, </search>, <answer>, </answer>, EOS), and
+shares: responses that called the tool, actions whose likelihood fell during the step (the LLDS
+gate's open rate), groups with tied rewards. Panels whose columns no run logged are left out. The
 phases the monitor detected are shaded (orange = steady decay, red = acceleration; one strip per
 run when several are overlaid) and early warnings are dashed vertical lines.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lldslight.errors import ArgumentParser, UserError
+
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
+DASH_DOT_DOT = (0, (5, 1.5, 1, 1.5, 1, 1.5))
+# (y label, [(column, line style, legend name)]): one panel each, in this order.
+PANELS = [
+    ("reward", [("train/reward", "-", "train reward")]),
+    ("log-prob / token (pi_old)", [("lld/logp_pos", "-", "correct (A>0)"), ("lld/logp_neg", "--", "incorrect (A<0)")]),
+    ("Delta log-prob of correct\nafter the step's updates", [("lld/delta_correct", "-", "Delta correct")]),
+    ("entropy", [("train/entropy", "-", "entropy")]),
+    ("grad norm (pre-clip)", [("train/grad_norm", "-", "grad norm")]),
+    ("control-token prob.\n(sampled)", [
+        ("diag/p_search_open", "-", "<search>"), ("diag/p_search_close", "--", "</search>"),
+        ("diag/p_answer_open", "-.", "<answer>"), ("diag/p_answer_close", ":", "</answer>"), ("diag/p_eos", DASH_DOT_DOT, "EOS"),
+    ]),
+    ("share", [
+        ("diag/tool_call_rate", "-", "responses with a search"),
+        ("lld/gate_open_actions", "--", "A>=0 actions whose likelihood fell (LLDS gate open)"),
+        ("train/zero_var_groups", ":", "groups with tied rewards"),
+    ]),
+]
 
 
-class PlotInputError(ValueError):
+class PlotInputError(UserError, ValueError):
     """A run directory that cannot be plotted (no metrics.csv, or missing columns)."""
 
 
@@ -47,7 +69,8 @@ def read_run(run_dir: str | Path):
     if missing:
         raise PlotInputError(
             f"{csv}: missing column(s) {', '.join(missing)}; lld/* columns come from the "
-            "lldslight.callbacks.LLDMonitor callback (add it to trainer.callbacks), train/* from GRPOModule"
+            "lldslight.callbacks.LLDMonitor callback: train with --config configs/monitor.yaml after your config "
+            "(or add LLDMonitor to trainer.callbacks); train/* come from GRPOModule"
         )
     frame = frame.dropna(subset=["step"]).groupby("step", sort=True).first()
     if frame[list(REQUIRED)].dropna(how="all").empty:
@@ -67,6 +90,14 @@ def phase_spans(steps: Sequence[float], phases: Sequence[float]) -> list[tuple[f
         else:
             spans.append((step - 0.5, step + 0.5, phase))
     return spans
+
+
+def panels_for(frames) -> list[tuple[str, list]]:
+    """The PANELS at least one of ``frames`` has a value for."""
+    return [
+        (name, series) for name, series in PANELS
+        if any(column in f.columns and f[column].notna().any() for f in frames for column, _, _ in series)
+    ]
 
 
 def _label(run_dir: Path) -> str:
@@ -101,15 +132,7 @@ def plot_runs(
     frames = [read_run(d) for d in run_dirs]
     labels = list(labels) if labels is not None else [_label(Path(d)) for d in run_dirs]
 
-    panels = [
-        ("reward", [("train/reward", "-", "train reward")]),
-        ("log-prob / token (pi_old)", [("lld/logp_pos", "-", "correct (A>0)"), ("lld/logp_neg", "--", "incorrect (A<0)")]),
-        ("Delta log-prob of correct\nafter the step's updates", [("lld/delta_correct", "-", "Delta correct")]),
-        ("entropy", [("train/entropy", "-", "entropy")]),
-        ("grad norm (pre-clip)", [("train/grad_norm", "-", "grad norm")]),
-    ]
-    if not any("lld/delta_correct" in f.columns for f in frames):
-        panels = [p for p in panels if p[1][0][0] != "lld/delta_correct"]
+    panels = panels_for(frames)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels) + 0.9), sharex=True, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     n = len(frames)
@@ -131,22 +154,26 @@ def plot_runs(
                 y = frame[column]
                 ok = y.notna().to_numpy()
                 if smooth > 1:
-                    ax.plot(steps[ok], y[ok], style, color=colour, alpha=0.3, lw=0.8)
-                    ax.plot(steps[ok], y[ok].rolling(smooth, min_periods=1).mean(), style, color=colour, lw=1.6)
+                    ax.plot(steps[ok], y[ok], linestyle=style, color=colour, alpha=0.3, lw=0.8)
+                    ax.plot(steps[ok], y[ok].rolling(smooth, min_periods=1).mean(), linestyle=style, color=colour, lw=1.6)
                 else:
-                    ax.plot(steps[ok], y[ok], style, color=colour, lw=1.4, marker="." if ok.sum() < 30 else None)
+                    ax.plot(steps[ok], y[ok], linestyle=style, color=colour, lw=1.4, marker="." if ok.sum() < 30 else None)
     for ax, (name, series) in zip(axes, panels):
         ax.set_ylabel(name, fontsize=9)
         ax.grid(alpha=0.3)
         ax.ticklabel_format(axis="y", useOffset=False)
+        if len(series) > 1:  # line styles name the series; colours name the runs (figure legend)
+            ax.legend(handles=[plt.Line2D([], [], color="grey", linestyle=style, label=label) for _, style, label in series],
+                      fontsize=7, loc="best", framealpha=0.6)
         if series[0][0] == "lld/delta_correct":
             ax.axhline(0.0, color="black", lw=0.8)
+        if all(column.startswith(("diag/", "lld/gate_open", "train/zero_var")) for column, _, _ in series):
+            ax.set_ylim(-0.03, 1.03)  # probabilities and shares
         if series[0][0] == "train/grad_norm" and all((f["train/grad_norm"].dropna() > 0).all() for f in frames):
             ax.set_yscale("log")
     axes[-1].set_xlabel("training step (rollout batch)")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     handles = [plt.Line2D([], [], color=colours[i % len(colours)], lw=2, label=label) for i, label in enumerate(labels)]
-    handles += [plt.Line2D([], [], color="grey", ls="-", label="correct (A>0)"), plt.Line2D([], [], color="grey", ls="--", label="incorrect (A<0)")]
     handles += [Patch(color=PHASE_COLOURS[2], alpha=0.5, label="steady decay"), Patch(color=PHASE_COLOURS[3], alpha=0.5, label="acceleration")]
     handles += [plt.Line2D([], [], color="grey", ls=":", label="early warning")]
     strips = "phase strips: one per run, bottom-up in legend order" if n > 1 else None
@@ -161,7 +188,7 @@ def plot_runs(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
     parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/lld.png for one run, lld_compare.png for several)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")

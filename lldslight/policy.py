@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Optional, Union
@@ -20,7 +21,12 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
+from lldslight.errors import UserError
+
 log = logging.getLogger(__name__)
+# On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
+# 4-bit inference path is missing; load_policy keeps that path off, so the warning is noise here.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 DEMO_MODELS = {
     # name -> (PyPI package, GGUF file inside it)
@@ -29,7 +35,7 @@ DEMO_MODELS = {
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
-class PolicyLoadError(RuntimeError):
+class PolicyLoadError(UserError, RuntimeError):
     """The model could not be found or loaded; the message says what to do."""
 
 
@@ -68,7 +74,9 @@ class PolicyConfig:
         random_init: config overrides (e.g. num_hidden_layers: 2); when set, the architecture of
             ``model`` with these changes is built with random weights (tests, benchmarks).
         init_seed: seed for random_init weights.
-        quantization: "nf4" (QLoRA, 4-bit base) or "int8" through bitsandbytes; needs a GPU.
+        quantization: "nf4" (QLoRA: 4-bit NormalFloat base, double quantization) or "int8" (LLM.int8()
+            base) through bitsandbytes (>=0.50 on CPU, with fp32 compute; bf16 compute on a GPU with
+            dtype "auto"). Needs ``lora``. With random_init the random weights are quantized.
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
     """
 
@@ -93,8 +101,6 @@ class PolicyConfig:
                 f"policy.quantization={self.quantization!r} needs policy.lora: quantized base weights cannot be "
                 "trained, QLoRA trains a LoRA adapter on top of them"
             )
-        if self.random_init is not None:
-            raise ValueError("policy.quantization quantizes pretrained weights; it cannot be combined with policy.random_init")
 
 
 def cache_root() -> Path:
@@ -177,7 +183,42 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
             "path, nor a hub id of the form 'org/name'"
         )
+    if not path.exists():
+        check_hub_model(cfg.model)  # not cached and no hub: one line now, not a minute of retries
     return cfg.model
+
+
+def check_hub_model(repo_id: str, what: str = "model") -> None:
+    """A hub id that is not on disk is fine when the Hugging Face cache has it or the hub answers;
+    otherwise say so in one line now (transformers would retry for about a minute and end in three
+    chained tracebacks)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        reason = "the hub is offline (HF_HUB_OFFLINE=1)"
+    else:
+        problem = _unreachable(constants.ENDPOINT)
+        if problem is None:
+            return  # the hub answers: transformers downloads it
+        reason = f"the hub ({constants.ENDPOINT}) is unreachable ({problem})"
+    raise PolicyLoadError(
+        f"{what} {repo_id!r} not found locally (no such directory, not in the Hugging Face cache "
+        f"{constants.HF_HUB_CACHE}), and {reason}; give a local model directory, or download it where "
+        "the hub is reachable (huggingface-cli download ...)"
+    )
+
+
+def _unreachable(url: str, timeout: float = 5.0) -> Optional[str]:
+    """None when ``url`` answers at all (any HTTP status), else the connection error."""
+    import httpx
+
+    try:
+        httpx.head(url, timeout=timeout)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return None
 
 
 def load_tokenizer(cfg: PolicyConfig, model_dir: Optional[str] = None):
@@ -192,8 +233,12 @@ def load_tokenizer(cfg: PolicyConfig, model_dir: Optional[str] = None):
     return tokenizer
 
 
-def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
-    """Build (model, tokenizer) as configured: weights, dtype, quantisation, LoRA, checkpointing."""
+def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module, object]:
+    """Build (model, tokenizer) as configured: weights, dtype, quantisation, LoRA, checkpointing.
+
+    ``dequantize``: quantize the base as configured, then turn it back into float layers before the
+    adapter goes on (export: the adapter merges into the very weights it was trained against).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = resolve_model_dir(cfg)
@@ -212,6 +257,12 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
             config._attn_implementation = cfg.attn_implementation
         with _seeded(cfg.init_seed):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if cfg.quantization:
+            # transformers quantizes while loading: load the random weights back from a temporary copy.
+            with tempfile.TemporaryDirectory(prefix="lldslight-random-init-") as tmp:
+                model.save_pretrained(tmp, safe_serialization=True)
+                kwargs["quantization_config"] = _bnb_config(cfg.quantization, dtype)
+                model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
     else:
         if cfg.quantization:
             kwargs["quantization_config"] = _bnb_config(cfg.quantization, dtype)
@@ -220,9 +271,16 @@ def load_policy(cfg: PolicyConfig) -> tuple[nn.Module, object]:
         except OSError as err:
             raise PolicyLoadError(f"could not load model {cfg.model!r} from {model_dir!r}: {err}") from err
     model.config.use_cache = True
-    if cfg.quantization:
+    if cfg.quantization and dequantize:
+        model = model.dequantize(dtype=dtype)
+    elif cfg.quantization:
         from peft import prepare_model_for_kbit_training
 
+        for layer in quantized_linears(model):
+            # bitsandbytes on an AVX512-BF16 CPU repacks a 4-bit weight in place at its first eval-mode
+            # forward and from then on multiplies in bf16 without autograd, also in training (the
+            # gradient into the layer's input is lost): keep the fp32 dequantize-and-matmul path.
+            layer.support_avx512bf16_for_cpu = False
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
@@ -250,17 +308,28 @@ def _lora_targets(model: nn.Module, lora: LoRAConfig) -> Union[str, list[str]]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
-def _bnb_config(kind: str, compute_dtype: torch.dtype):
+BNB_INSTALL = "pip install 'lldslight[gpu]' (bitsandbytes>=0.50, which runs on CPU too)"
+
+
+def require_bitsandbytes(what: str):
+    """The bitsandbytes module, or an error naming ``what`` needs it and how to install it."""
     try:
-        import bitsandbytes  # noqa: F401
-        from transformers import BitsAndBytesConfig
+        import bitsandbytes
     except ImportError as err:
-        raise PolicyLoadError(f"policy.quantization={kind!r} needs bitsandbytes: pip install 'lldslight[gpu]'") from err
-    if not torch.cuda.is_available():
-        raise PolicyLoadError(
-            f"policy.quantization={kind!r} needs a CUDA GPU (bitsandbytes' quantized kernels) and this machine "
-            "has none: remove policy.quantization to train LoRA on the full-precision base"
-        )
+        raise ImportError(f"{what} needs bitsandbytes: {BNB_INSTALL}") from err
+    version = tuple(int(x) for x in bitsandbytes.__version__.split(".")[:2] if x.isdigit())
+    if version < (0, 50) and not torch.cuda.is_available():
+        raise ImportError(f"{what} on CPU needs bitsandbytes>=0.50 (found {bitsandbytes.__version__}): {BNB_INSTALL}")
+    return bitsandbytes
+
+
+def _bnb_config(kind: str, compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    try:
+        require_bitsandbytes(f"policy.quantization={kind!r}")
+    except ImportError as err:
+        raise PolicyLoadError(str(err)) from err
     if kind == "nf4":
         return BitsAndBytesConfig(
             load_in_4bit=True,
@@ -292,6 +361,59 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     in chunks, so full-vocabulary logits never exist for a whole batch."""
     lm = causal_lm(model)
     return lm.get_decoder(), lm.get_output_embeddings()
+
+
+def quantized_linears(model: nn.Module) -> list[nn.Module]:
+    """bitsandbytes' Linear4bit / Linear8bitLt layers: linear layers whose weight holds integers."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.is_floating_point()]
+
+
+@contextlib.contextmanager
+def sampling_weights(model: nn.Module) -> Iterator[None]:
+    """Sample with the policy being trained, computed as the training forward computes it.
+
+    Full-precision base: LoRA is folded into the base weights, one matmul per layer instead of
+    three (the adapter's two small matmuls cost as much as the base one at decode batch sizes).
+    peft's merge_adapter/unmerge_adapter adds then subtracts the update, which leaves rounding
+    drift in the frozen base (and so in the reference policy) after every rollout. Instead each
+    adapted layer gets a new weight tensor W + delta while the adapter path is disabled, and the
+    original tensor object is put back afterwards: exact, at the cost of one extra copy of the
+    adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
+
+    Quantized base (QLoRA): never folded. A 4-bit weight is packed (W + delta means nothing for
+    it) and an 8-bit one would round the small delta away, so sampling would follow the base
+    policy while the ratios read 1. Sampling runs the adapter path, as training does, and the
+    quantized layers stay in train mode (they have no dropout; the flag only picks bitsandbytes'
+    kernel: on CPU, eval mode would quantize an 8-bit layer's inputs to int8 while training
+    dequantizes its weight), so the sampler's log-probs are the trainer's.
+    """
+    quantized = quantized_linears(model)
+    if quantized:
+        modes = [layer.training for layer in quantized]
+        for layer in quantized:
+            layer.train()
+        try:
+            yield
+        finally:
+            for layer, mode in zip(quantized, modes):
+                layer.train(mode)
+        return
+    layers = [m for m in model.modules() if callable(getattr(m, "get_delta_weight", None)) and hasattr(m, "base_layer")]
+    if not layers or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
+        yield
+        return
+    originals = []
+    with model.disable_adapter():
+        try:
+            for layer in layers:
+                weight = layer.base_layer.weight
+                delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
+                originals.append((weight, weight.data))
+                weight.data = weight.data + delta.to(weight.dtype)
+            yield
+        finally:
+            for weight, data in originals:
+                weight.data = data
 
 
 def has_adapter(model: nn.Module) -> bool:

@@ -2,6 +2,13 @@
 
 A reward function is any callable ``(response: str, golden_answers: list[str]) -> float``; a
 config names it by ``class_path`` so users plug their own without touching the library.
+
+``response`` is what the model wrote and nothing else: the text of its actions (each turn's
+sampled tokens, decoded without special tokens) concatenated in order. The prompt, the retrieved
+observations and the environment's invalid-action message are never part of it (that message
+itself contains ``<answer> and </answer>``, and a passage may contain any tag). A complete answer
+ends the rollout, so only the model's last action can hold one: ``extract_answer(response)`` is its
+last action's answer. The full text with observations stays in ``Trajectory.responses`` for logging.
 """
 from __future__ import annotations
 
@@ -16,10 +23,11 @@ _PUNCT = set(string.punctuation)
 
 
 def extract_answer(response: str) -> str | None:
-    """The last <answer>...</answer> of the model's response, stripped; None when absent.
+    """The last <answer>...</answer> of the model's text, stripped; None when absent.
 
-    Only the response is parsed: the prompt's own "<answer> Beijing </answer>" example never counts
-    (Search-R1 searched prompt+response and needed two matches to step over it).
+    Only the model's own words are parsed: the prompt's "<answer> Beijing </answer>" example, the
+    invalid-action message and retrieved passages never count (Search-R1 searched prompt+response,
+    observations included, and needed two matches to step over the prompt's example).
     """
     found = _ANSWER.findall(response)
     return found[-1].strip() if found else None
@@ -33,20 +41,26 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_match(prediction: str | None, golden_answers: list[str]) -> float:
+def gold_list(golden_answers: str | list[str]) -> list[str]:
+    """The gold answers as a list: a plain string is one answer, as Search-R1's ``em_check`` takes it
+    (iterating it would compare the prediction with each character)."""
+    return [golden_answers] if isinstance(golden_answers, str) else list(golden_answers)
+
+
+def exact_match(prediction: str | None, golden_answers: str | list[str]) -> float:
     if prediction is None:
         return 0.0
     pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in golden_answers))
+    return float(any(pred == normalize_answer(g) for g in gold_list(golden_answers)))
 
 
-def f1_score(prediction: str | None, golden_answers: list[str]) -> float:
+def f1_score(prediction: str | None, golden_answers: str | list[str]) -> float:
     """Token-level F1 against the best-matching gold answer (SQuAD)."""
     if prediction is None:
         return 0.0
     pred_tokens = normalize_answer(prediction).split()
     best = 0.0
-    for gold in golden_answers:
+    for gold in gold_list(golden_answers):
         gold_tokens = normalize_answer(gold).split()
         common = Counter(pred_tokens) & Counter(gold_tokens)
         overlap = sum(common.values())
@@ -58,6 +72,8 @@ def f1_score(prediction: str | None, golden_answers: list[str]) -> float:
 
 
 class RewardFn(Protocol):
+    """``response``: the model's own text (its actions only, see the module docstring)."""
+
     def __call__(self, response: str, golden_answers: list[str]) -> float: ...
 
 
@@ -65,7 +81,8 @@ class ExactMatchReward:
     """1 when the last answer exact-matches a gold answer after normalisation, else 0.
 
     Args:
-        format_penalty: subtracted when the response has no <answer> at all (0 = Search-R1 default).
+        format_penalty: subtracted when the model never wrote a complete <answer>...</answer>
+            (0 = Search-R1 default).
     """
 
     def __init__(self, format_penalty: float = 0.0) -> None:

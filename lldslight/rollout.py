@@ -1,35 +1,45 @@
 """Multi-turn, search-augmented generation: the Search-R1 protocol (PAPER.md §1), token-in/token-out.
 
-Each turn every live rollout decodes until ``</search>``, ``</answer>``, EOS or its token budget;
-then one retrieval call serves every rollout that searched, and the observation tokens are appended.
-The sampled ids are kept exactly as sampled (decoding and re-encoding the model's own text can
-change its tokens and so its log-probs); only observations are tokenised.
+Every rollout decodes a turn until ``</search>``, ``</answer>``, EOS or its token budget; then it
+ends, or an observation (the retrieved passages, or the invalid-action message) is appended and it
+decodes its next turn. The sampled ids are kept exactly as sampled (decoding and re-encoding the
+model's own text can change its tokens and so its log-probs); only observations are tokenised.
 
-Speed on one CPU or GPU comes from three choices (issue 6 measures them):
+Speed on one CPU or GPU comes from these choices (benchmarks/rollout.py measures them):
+- continuous batching: each row moves through its turns on its own. A row whose turn ends is
+  retrieved for in a worker thread (batched with every search queued at the time) while the others
+  keep decoding, and rejoins the decode batch as soon as its observation is prefilled; finished
+  rows leave the cache. No row waits for the slowest row of its turn;
 - a group's prompt is prefilled once and its KV cache shared by its G rollouts;
 - the KV cache is carried across turns: observations are appended to it, nothing is re-encoded;
-- rollouts that have answered leave the batch (their cache rows are dropped) between turns.
-Rows of different lengths share one cache with holes: the attention mask is 0 on the slots a row
-did not use, and position ids count only the row's real tokens, so each row sees exactly the
-context it would see alone.
+- one ragged cache: a row's tokens fill positions 0..length-1 of its own slot, a 4-D mask lets a
+  new token see its own row's earlier tokens only, and position ids are those positions, so each
+  row sees exactly the context it would see alone, with no holes to attend over;
+- sampling by inverse CDF with one uniform per row from the row's own random stream (no random
+  number per vocabulary entry; a row draws the same tokens whatever the scheduling around it).
+
+The reward sees only the model's own text (its actions; lldslight/rewards.py), and the answer
+scored for EM/F1 is the one in its last action.
 """
 from __future__ import annotations
 
+import bisect
 import functools
-import contextlib
 import inspect
+import itertools
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from lldslight.data.example import QAExample
-from lldslight.policy import decoder_and_head
+from lldslight.errors import require
+from lldslight.policy import decoder_and_head, sampling_weights
 from lldslight.retrieval.base import Passage, Retriever
 from lldslight.rewards import exact_match, extract_answer, f1_score
 from lldslight.trajectory import Trajectory
@@ -71,6 +81,21 @@ class RolloutConfig:
     top_k: int = 0
     greedy: bool = False
 
+    def __post_init__(self) -> None:
+        # One line naming the key and its range, when the config is read (not a NaN or an autograd
+        # error minutes later). group_size >= 2 for training is SearchRollout's check: evaluation uses 1.
+        require(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        require(self.max_turns >= 0, "rollout.max_turns", ">= 0 (search rounds before the final answer)", self.max_turns)
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.max_obs_tokens >= 0, "rollout.max_obs_tokens", ">= 0", self.max_obs_tokens)
+        require(self.max_response_tokens >= 1, "rollout.max_response_tokens", ">= 1", self.max_response_tokens)
+        require(self.topk >= 1, "rollout.topk", ">= 1", self.topk)
+        if not self.greedy:
+            require(self.temperature > 0, "rollout.temperature", "> 0 when sampling", self.temperature,
+                    "0 divides the logits by zero; greedy decoding is rollout.greedy: true")
+        require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        require(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
+
 
 def format_observation(passages: list[Passage]) -> str:
     """Search-R1's ``_passages2string`` wrapped in an information block (title line kept verbatim)."""
@@ -106,20 +131,134 @@ def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def observation_ids(tokenizer, text: str, max_obs_tokens: int) -> list[int]:
+    """An observation (retrieved passages or the invalid-action message) tokenised on its own and
+    cut to ``max_obs_tokens``: the rollout and the warm start both build observations here."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_obs_tokens]
+
+
+# -- the token layout of a trajectory, shared by the rollout and the warm start (sft.py) -----------
+
+
+@dataclass
+class Layout:
+    """One trajectory's tokens: the prompt, then segments in order, each the ids of model action
+    ``action`` (0, 1, ...) or of an observation (``action`` = -1)."""
+
+    prompt: list[int]
+    segments: list[tuple[list[int], int]] = field(default_factory=list)
+
+    def add(self, ids: list[int], action: int) -> None:
+        self.segments.append((ids, action))
+
+    def actions(self) -> list[list[int]]:
+        """The model's own token ids, one list per action."""
+        return [ids for ids, act in self.segments if act >= 0]
+
+    def __len__(self) -> int:
+        return len(self.prompt) + sum(len(ids) for ids, _ in self.segments)
+
+
+def pack(layouts: Sequence[Layout], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors of a batch of layouts (Trajectory's contract):
+    input_ids, attention_mask [B, T] long; loss_mask [B, T] bool (model tokens);
+    action_id [B, T] long (-1 off model tokens); prompt_len [B] long."""
+    B, T = len(layouts), max(len(lay) for lay in layouts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    action_id = torch.full((B, T), -1, dtype=torch.long)
+    for b, lay in enumerate(layouts):
+        ids, acts = list(lay.prompt), [-1] * len(lay.prompt)
+        for seg, act in lay.segments:
+            ids += seg
+            acts += [act] * len(seg)
+        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[b, : len(ids)] = 1
+        action_id[b, : len(ids)] = torch.tensor(acts, dtype=torch.long)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": action_id >= 0,
+        "action_id": action_id,
+        "prompt_len": torch.tensor([len(lay.prompt) for lay in layouts], dtype=torch.long),
+    }
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds to the decoded sequence (special tokens kept); joined, they are the
+    decoded text. One batched decode when the tokens decoded one by one already concatenate to the
+    whole (byte-level BPE on whole characters: the common case). Otherwise a streaming detokenizer
+    (as vLLM's): each token is decoded in a small window after the tokens before it (tokenizers that
+    add or drop spaces between pieces), and a token that ends inside a character (a split UTF-8
+    byte) adds nothing until the one that completes it, or until 4 tokens (one UTF-8 character at
+    most) have been held back."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+    if "".join(pieces) == decode(ids):
+        return pieces
+    pieces, prefix, read = [], 0, 0  # ids[prefix:read] were emitted already and are kept as context
+    for i in range(len(ids)):
+        before, after = decode(ids[prefix:read]), decode(ids[prefix : i + 1])
+        if len(after) > len(before) and (not after.endswith("\ufffd") or i + 1 - read >= 4):
+            pieces.append(after[len(before):])
+            prefix, read = read, i + 1
+        else:
+            pieces.append("")
+    return pieces
+
+
+def answer_token_span(tokenizer, action: list[int]) -> list[int]:
+    """Indices of the action's tokens whose text overlaps its last <answer>...</answer>, in linear
+    time (decoding every prefix was O(n^2): 87 ms for a 553-token action)."""
+    pieces = token_texts(tokenizer, action)
+    text = "".join(pieces)
+    start = text.rfind("<answer>")
+    end = text.find("</answer>", start)
+    if start == -1 or end == -1:
+        return []
+    ends = list(itertools.accumulate(len(p) for p in pieces))  # ends[i]: characters up to token i
+    first = bisect.bisect_right(ends, start)  # the first token reaching past `start`
+    last = bisect.bisect_left(ends, end + len("</answer>"))  # the first token reaching the tag's end
+    return list(range(first, last + 1))
+
+
 @dataclass
 class _Row:
+    """One rollout as it moves through its turns. phase: "decode" (sampling a turn), "wait" (its
+    search is queued or being retrieved), "ready" (an observation waits to be prefilled), "done"."""
+
     example: QAExample
-    prompt: list[int]
-    segments: list[tuple[list[int], int]] = field(default_factory=list)  # (ids, action index or -1)
+    layout: Layout
+    noise: Optional[torch.Generator] = None  # this row's own random stream (sampling)
+    phase: str = "decode"
+    turn_index: int = 0
     turn: list[int] = field(default_factory=list)
     turn_logp: list[float] = field(default_factory=list)
+    budget: int = 0
     sample_logp: list[float] = field(default_factory=list)
     response_len: int = 0
     actions: int = 0
     searches: int = 0
     invalid: int = 0
     finish: str = ""
-    stopped: bool = False
+    _uniforms: list[float] = field(default_factory=list)
+
+    def uniform(self) -> float:
+        """The next number of the row's own uniform stream: a row samples the same tokens whatever
+        the batch around it (other rows' retrieval times decide when it runs, not what it draws)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(256, generator=self.noise, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
+
+
+@dataclass
+class _Slots:
+    """Cache slot s holds row ``rows[s]`` with ``length[s]`` tokens; ``logits`` [S, V] are the
+    slots' next-token logits (valid for the rows about to decode)."""
+
+    rows: list[int]
+    length: list[int]
+    logits: Tensor
 
 
 class RolloutEngine:
@@ -128,7 +267,8 @@ class RolloutEngine:
     Args:
         tokenizer: the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
-        reward_fn: ``(response_text, golden_answers) -> float``.
+        reward_fn: ``(response, golden_answers) -> float``; ``response`` is the model's own text,
+            its actions concatenated (no prompt, observation or environment message).
         config: sampling settings.
     """
 
@@ -151,7 +291,7 @@ class RolloutEngine:
         try:
             from lldslight.distributed import gathered_generate
 
-            with _lora_folded(model):
+            with sampling_weights(model):
                 # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
                 rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
@@ -161,156 +301,228 @@ class RolloutEngine:
     # -- decoding -------------------------------------------------------------------------------
 
     def _run(self, model: nn.Module, examples: list[QAExample], G: int, greedy: bool) -> list[_Row]:
-        cfg = self.config
-        decoder, head = decoder_and_head(model)
-        device = next(model.parameters()).device
+        """The rollouts of ``examples`` x G, with continuous batching: no row waits for another.
 
-        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
-        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-        prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
-        rows = [_Row(example=ex, prompt=list(p)) for ex, p in zip(examples, prompts) for _ in range(G)]
-        self.stats = {"decode_steps": 0, "retrieval_s": 0.0, "retrieval_calls": 0, "prefill_s": 0.0, "decode_s": 0.0, "observation_s": 0.0, "compactions": 0}
+        Each row moves through its own turns (the first ``max_turns`` may search, the last may not):
+
+            decode --stop--> close the turn --answer / out of turns or budget--> done
+              ^                 | search                 | invalid action
+              |                 v                        v
+            prefill <--- observation <--- retrieval    the invalid-action message
+
+        Retrieval runs in a worker thread while the other rows decode. Step by step:
+
+        1. prefill each distinct prompt once; its G rollouts share its cache rows;
+        then, until no row decodes and no retrieval is in flight:
+        2. take the retrieval results that came back: the passages become observations (cut to
+           ``max_obs_tokens`` and to the response budget; a row whose budget ends is done);
+        3. send every queued search as one retrieval call, unless one is in flight;
+        4. prefill the observations that are ready (each row's last sampled token and its
+           observation in one block); those rows start their next turn;
+        5. nothing to decode: wait for the retrieval in flight;
+        6. sample one token for every decoding row; a row that stops (stop tag, EOS, its budget)
+           closes its turn: done, a queued search, or the invalid-action message as observation;
+        7. send the new searches (as in 3); drop finished rows from the cache once they are a
+           quarter of it;
+        8. one decode forward over every slot; rows not decoding write past their length (their
+           next real token overwrites it) and their outputs are ignored.
+        """
+        decoder = _Decoder(model)
+        device = decoder.device
+        self._eos = frozenset(self.eos_ids)
+        self.stats = dict.fromkeys(
+            ("decode_steps", "overlap_steps", "retrieval_s", "retrieval_wait_s", "retrieval_calls", "prefill_s", "decode_s", "observation_s", "compactions"), 0.0
+        )
         clock = time.perf_counter()
-
-        # Prefill each distinct prompt once (left-padded), then share its cache with its G rollouts.
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=device)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, device=device)
-            attn[i, width - len(p):] = 1
-        cache = _growing_cache()
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = decoder(input_ids=ids, attention_mask=attn, position_ids=positions, **{cache_arg: cache}, use_cache=True)
-        logits = head(out.last_hidden_state[:, -1]).float()
-        if G > 1:
-            cache.batch_repeat_interleave(G)
-            attn = attn.repeat_interleave(G, dim=0)
-            logits = logits.repeat_interleave(G, dim=0)
-        next_pos = attn.sum(-1)
-        live = list(range(len(rows)))  # row index of each cache slot
+        rows, slots = self._prefill_prompts(decoder, examples, G, greedy)  # 1
         clock = self._tick("prefill_s", clock, device)
+        queue: list[tuple[int, str]] = []  # (row, query) not sent yet
+        inflight: Optional[Future] = None
+        with ThreadPoolExecutor(1, thread_name_prefix="lldslight-retrieval") as pool:
 
-        eos = set(self.eos_ids)
-        for turn in range(cfg.max_turns + 1):
-            final = turn == cfg.max_turns
-            turn_rows = list(live)
-            for r in live:
-                rows[r].turn, rows[r].turn_logp, rows[r].stopped = [], [], False
-            budget = {r: min(cfg.max_new_tokens, cfg.max_response_tokens - rows[r].response_len) for r in live}
-            for r in live:
-                if budget[r] <= 0:
-                    rows[r].stopped = True
-            running = sum(not rows[r].stopped for r in live)
-            done: set[int] = set()  # rows whose rollout ended this turn: they may leave the batch now
-            while running:
-                tokens, token_logp = self._sample(logits, greedy)
-                # One host transfer per step, not one per row.
-                tok_list, logp_list = tokens.tolist(), token_logp.tolist()
-                feed, fed = [self.pad_id] * len(live), [0] * len(live)
-                for slot, r in enumerate(live):
-                    row = rows[r]
-                    if row.stopped:
-                        continue
-                    tok = tok_list[slot]
-                    row.turn.append(tok)
-                    row.turn_logp.append(logp_list[slot])
-                    if tok in eos or len(row.turn) >= budget[r] or (tok in self._tag_closers and self._hit_stop(row.turn)):
-                        row.stopped = True  # its last token is fed later, with the observation
-                        running -= 1
-                        if final or parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))[0] == "answer":
-                            done.add(r)
-                    else:
-                        feed[slot], fed[slot] = tok, 1
-                if not running:
-                    break
-                # Rows that finished for good stop costing compute: once they are a quarter of the
-                # batch, drop their cache rows (one copy of the cache, amortised over many steps).
-                n_done = sum(r in done for r in live)
-                if n_done and 4 * n_done >= len(live):
-                    keep = [s for s, r in enumerate(live) if r not in done]
-                    index = torch.tensor(keep, device=device)
-                    cache.batch_select_indices(index)
-                    attn, next_pos = attn[index], next_pos[index]
-                    feed, fed, live = [feed[s] for s in keep], [fed[s] for s in keep], [live[s] for s in keep]
-                    self.stats["compactions"] += 1
-                step_ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)
-                step_mask = torch.tensor(fed, dtype=attn.dtype, device=device).unsqueeze(-1)
-                attn = torch.cat([attn, step_mask], dim=1)
-                pos = next_pos.unsqueeze(-1).clone()
-                out = decoder(input_ids=step_ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
-                logits = head(out.last_hidden_state[:, -1]).float()
-                next_pos = next_pos + step_mask[:, 0].to(next_pos.dtype)
-                self.stats["decode_steps"] += 1
-            clock = self._tick("decode_s", clock, device)
+            def send() -> None:
+                nonlocal inflight, queue
+                if inflight is None and queue:
+                    inflight, queue = pool.submit(self._search, queue), []
 
-            # Close the turn: record the action, decide what each rollout does next.
-            searches: list[tuple[int, str]] = []
-            pending: dict[int, list[int]] = {}
-            for r in turn_rows:
-                row = rows[r]
-                row.segments.append((row.turn, row.actions))
-                row.sample_logp.extend(row.turn_logp)
-                row.actions += 1
-                row.response_len += len(row.turn)
-                kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
-                if kind == "answer":
-                    row.finish = "answer"
-                elif final:
-                    row.finish = "max_turns"
-                elif row.response_len >= cfg.max_response_tokens:
-                    row.finish = "length"
-                elif kind == "search" and content:
-                    searches.append((r, content))
-                else:
-                    row.invalid += 1
-                    pending[r] = self._observation_ids(INVALID_ACTION)
-            if searches:
-                t0 = time.perf_counter()
-                results = self.retriever.search([q for _, q in searches], cfg.topk)
-                self.stats["retrieval_s"] += time.perf_counter() - t0
-                self.stats["retrieval_calls"] += 1
-                if len(results) != len(searches):
-                    raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
-                for (r, _), passages in zip(searches, results):
-                    rows[r].searches += 1
-                    pending[r] = self._observation_ids(format_observation(passages))
-            for r, obs in pending.items():
-                room = cfg.max_response_tokens - rows[r].response_len
-                obs = obs[: max(room, 0)]
-                rows[r].segments.append((obs, -1))
-                rows[r].response_len += len(obs)
-                if rows[r].response_len >= cfg.max_response_tokens:
-                    rows[r].finish = "length"
-            keep = [slot for slot, r in enumerate(live) if not rows[r].finish]
-            if not keep:
-                break
-            if len(keep) < len(live):
-                cache.batch_select_indices(torch.tensor(keep, device=device))
-                attn, next_pos = attn[keep], next_pos[keep]
-            live = [live[s] for s in keep]
-            clock = time.perf_counter()  # retrieval and bookkeeping are not observation prefill
-
-            # Feed each rollout's last sampled token plus its observation as one padded block.
-            blocks = [[rows[r].segments[-2][0][-1]] + rows[r].segments[-1][0] for r in live]
-            block_w = max(len(b) for b in blocks)
-            ids = torch.full((len(live), block_w), self.pad_id, dtype=torch.long, device=device)
-            block_mask = torch.zeros((len(live), block_w), dtype=attn.dtype, device=device)
-            for slot, b in enumerate(blocks):
-                ids[slot, : len(b)] = torch.tensor(b, device=device)
-                block_mask[slot, : len(b)] = 1
-            attn = torch.cat([attn, block_mask], dim=1)
-            pos = next_pos.unsqueeze(-1) + (block_mask.cumsum(-1) - 1).clamp(min=0)
-            out = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_arg: cache}, use_cache=True)
-            lengths = block_mask.sum(-1).long()
-            last = out.last_hidden_state[torch.arange(len(live), device=device), lengths - 1]
-            logits = head(last).float()
-            next_pos = next_pos + lengths.to(next_pos.dtype)
-            clock = self._tick("observation_s", clock, device)
-        for r in live:
-            if not rows[r].finish:
-                rows[r].finish = "max_turns"
+            while True:
+                if inflight is not None and inflight.done():  # 2
+                    self._observe_results(rows, *inflight.result())
+                    inflight = None
+                send()  # 3
+                ready = [s for s, r in enumerate(slots.rows) if rows[r].phase == "ready"]
+                if ready:  # 4
+                    clock = time.perf_counter()
+                    self._prefill_observations(decoder, rows, slots, ready)
+                    clock = self._tick("observation_s", clock, device)
+                decoding = [s for s, r in enumerate(slots.rows) if rows[r].phase == "decode"]
+                if not decoding:  # 5
+                    if inflight is None:
+                        break
+                    t0 = time.perf_counter()
+                    wait([inflight])
+                    self.stats["retrieval_wait_s"] += time.perf_counter() - t0
+                    continue
+                clock = time.perf_counter()
+                fed = self._sample_step(rows, slots, decoding, greedy, queue)  # 6
+                send()  # 7
+                fed = self._compact(decoder, rows, slots, fed)
+                if fed:  # 8
+                    self._decode_forward(decoder, slots, fed)
+                    self.stats["overlap_steps"] += inflight is not None and not inflight.done()
+                # no device sync: sampling the next token waits for this step anyway
+                self.stats["decode_s"] += time.perf_counter() - clock
         return rows
+
+    def _prefill_prompts(self, decoder: "_Decoder", examples: list[QAExample], G: int, greedy: bool) -> tuple[list[_Row], "_Slots"]:
+        """Step 1: every distinct prompt prefilled in one right-padded forward; each prompt's cache
+        row and logits repeated for its G rollouts. Each sampled row gets its own random stream,
+        seeded from torch's global generator (so ``torch.manual_seed`` fixes every rollout)."""
+        prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
+        seeds = [None] * (len(prompts) * G) if greedy else torch.randint(2**62, (len(prompts) * G,)).tolist()
+        pairs = [(ex, p) for ex, p in zip(examples, prompts) for _ in range(G)]
+        rows = [_Row(ex, Layout(list(p)), None if seed is None else torch.Generator().manual_seed(seed)) for (ex, p), seed in zip(pairs, seeds)]
+        P, width, device = len(prompts), max(len(p) for p in prompts), decoder.device
+        ids = torch.full((P, width), self.pad_id, dtype=torch.long, device=device)  # [P, W]
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, device=device)
+        at = torch.arange(width, device=device).expand(P, width)  # [P, W]
+        hidden = decoder(ids, at, width)  # [P, W, D]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+        logits = decoder.logits(hidden[torch.arange(P, device=device), last])  # [P, V]
+        if G > 1:
+            decoder.cache.repeat_rows(G)  # [P*G, kv_heads, C, head_dim] per layer
+            logits = logits.repeat_interleave(G, dim=0)
+        for row in rows:
+            self._start_turn(row)
+        return rows, _Slots(rows=list(range(len(rows))), length=[len(p) for p in prompts for _ in range(G)], logits=logits)
+
+    def _start_turn(self, row: _Row) -> None:
+        cfg = self.config
+        row.phase, row.turn, row.turn_logp = "decode", [], []
+        # >= 1: a row that is not done has room left in its response budget
+        row.budget = min(cfg.max_new_tokens, cfg.max_response_tokens - row.response_len)
+
+    def _sample_step(self, rows: list[_Row], slots: "_Slots", decoding: list[int], greedy: bool, queue: list[tuple[int, str]]) -> dict[int, int]:
+        """Step 6: one token for every decoding slot; returns {slot: token} for the rows that go on
+        (a row's stopping token is fed later, with its observation)."""
+        logits = slots.logits
+        if len(decoding) < len(slots.rows):
+            logits = logits[torch.tensor(decoding, device=logits.device)]  # [B, V]
+        u = None if greedy else torch.tensor([rows[slots.rows[s]].uniform() for s in decoding], device=logits.device)
+        tokens, token_logp = self._sample(logits, u)
+        fed = {}
+        for s, tok, logp in zip(decoding, tokens.tolist(), token_logp.tolist()):  # one host transfer
+            row = rows[slots.rows[s]]
+            row.turn.append(tok)
+            row.turn_logp.append(logp)
+            if tok in self._eos or len(row.turn) >= row.budget or (tok in self._tag_closers and self._hit_stop(row.turn)):
+                query = self._close_turn(row)
+                if query is not None:
+                    queue.append((slots.rows[s], query))
+            else:
+                fed[s] = tok
+        return fed
+
+    def _close_turn(self, row: _Row) -> Optional[str]:
+        """Record the turn as the row's next action and decide what follows; returns the query when
+        the row searched."""
+        cfg = self.config
+        row.layout.add(row.turn, row.actions)
+        row.sample_logp.extend(row.turn_logp)
+        row.actions += 1
+        row.response_len += len(row.turn)
+        kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
+        if kind == "answer":
+            row.finish = "answer"
+        elif row.turn_index == cfg.max_turns:
+            row.finish = "max_turns"
+        elif row.response_len >= cfg.max_response_tokens:
+            row.finish = "length"
+        elif kind == "search" and content:
+            row.phase = "wait"
+            return content
+        else:
+            row.invalid += 1
+            self._observe(row, INVALID_ACTION)
+        if row.finish:
+            row.phase = "done"
+        return None
+
+    def _search(self, searches: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], list, float]:
+        """One retrieval call (in the worker thread)."""
+        t0 = time.perf_counter()
+        results = self.retriever.search([q for _, q in searches], self.config.topk)
+        return searches, results, time.perf_counter() - t0
+
+    def _observe_results(self, rows: list[_Row], searches: list[tuple[int, str]], results: list, seconds: float) -> None:
+        """Step 2: the passages of a finished retrieval call become the rows' observations."""
+        self.stats["retrieval_s"] += seconds
+        self.stats["retrieval_calls"] += 1
+        if len(results) != len(searches):
+            raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
+        for (r, _), passages in zip(searches, results):
+            rows[r].searches += 1
+            self._observe(rows[r], format_observation(passages))
+
+    def _observe(self, row: _Row, text: str) -> None:
+        """Append an observation, cut to max_obs_tokens and to what is left of the response budget."""
+        room = self.config.max_response_tokens - row.response_len
+        obs = observation_ids(self.tokenizer, text, self.config.max_obs_tokens)[: max(room, 0)]
+        row.layout.add(obs, -1)
+        row.response_len += len(obs)
+        if row.response_len >= self.config.max_response_tokens:
+            row.finish, row.phase = "length", "done"
+        else:
+            row.phase = "ready"
+
+    def _prefill_observations(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", ready: list[int]) -> None:
+        """Step 4: for the ``ready`` slots only, each row's last sampled token (never fed while
+        decoding) and its observation as one right-padded block written at the row's length."""
+        blocks = [[rows[r].layout.segments[-2][0][-1]] + rows[r].layout.segments[-1][0] for r in (slots.rows[s] for s in ready)]
+        B, width, device = len(blocks), max(len(b) for b in blocks), decoder.device
+        ids = torch.full((B, width), self.pad_id, dtype=torch.long, device=device)  # [B, W]
+        for i, b in enumerate(blocks):
+            ids[i, : len(b)] = torch.tensor(b, device=device)
+        index = torch.tensor(ready, device=device)
+        at = torch.tensor([slots.length[s] for s in ready], device=device).unsqueeze(-1) + torch.arange(width, device=device)  # [B, W]
+        kv_len = max(slots.length[s] for s in ready) + width
+        hidden = decoder(ids, at, kv_len, rows=None if B == len(slots.rows) else index)  # [B, W, D]
+        last = torch.tensor([len(b) - 1 for b in blocks], device=device)
+        slots.logits[index] = decoder.logits(hidden[torch.arange(B, device=device), last])  # [B, V]
+        for s, b in zip(ready, blocks):
+            slots.length[s] += len(b)
+            row = rows[slots.rows[s]]
+            row.turn_index += 1
+            self._start_turn(row)
+
+    def _compact(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", fed: dict[int, int]) -> dict[int, int]:
+        """Step 7: finished rows leave the cache once they are a quarter of it (one copy of the
+        cache, amortised over many steps); returns ``fed`` renumbered to the new slots."""
+        done = sum(rows[r].phase == "done" for r in slots.rows)
+        if not done or 4 * done < len(slots.rows):
+            return fed
+        keep = [s for s, r in enumerate(slots.rows) if rows[r].phase != "done"]
+        index = torch.tensor(keep, dtype=torch.long, device=decoder.device)
+        decoder.cache.keep_rows(index)
+        slots.logits = slots.logits[index]
+        slots.rows, slots.length = [slots.rows[s] for s in keep], [slots.length[s] for s in keep]
+        self.stats["compactions"] += 1
+        renumber = {s: i for i, s in enumerate(keep)}
+        return {renumber[s]: tok for s, tok in fed.items()}
+
+    def _decode_forward(self, decoder: "_Decoder", slots: "_Slots", fed: dict[int, int]) -> None:
+        """Step 8: one token per slot at its length: the fed rows' sampled tokens (the others' pad
+        lands where their next real token will be written)."""
+        device = decoder.device
+        feed = [fed.get(s, self.pad_id) for s in range(len(slots.rows))]
+        ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)  # [S, 1]
+        at = torch.tensor(slots.length, device=device).unsqueeze(-1)  # [S, 1]
+        hidden = decoder(ids, at, max(slots.length) + 1)  # [S, 1, D]
+        slots.logits = decoder.logits(hidden[:, -1])  # [S, V]: valid on the fed slots (others refill at prefill)
+        for s in fed:
+            slots.length[s] += 1
+        self.stats["decode_steps"] += 1
 
     def _tick(self, key: str, since: float, device: torch.device) -> float:
         if device.type == "cuda":
@@ -319,14 +531,22 @@ class RolloutEngine:
         self.stats[key] += now - since
         return now
 
-    def _sample(self, logits: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
+    def _sample(self, logits: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """(tokens [B], their log-probs [B]) from logits [B, V]: the argmax when ``u`` is None, else
+        by inverse CDF: the first token whose cumulative probability exceeds u [B] (one uniform per
+        row, from its own stream). One exp and one in-place cumulative sum over the vocabulary:
+        no log-softmax copy, and no random number per vocabulary entry (torch.multinomial draws an
+        exponential per entry). Log-probs are of the temperature-scaled softmax; top-k/top-p only
+        restrict which tokens can be drawn."""
         cfg = self.config
-        if greedy:
+        if u is None:
             tokens = logits.argmax(-1)
-            return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+            return tokens, logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, -1)
         scaled = logits / cfg.temperature if cfg.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, -1)
+        top = scaled.amax(-1, keepdim=True)  # [B, 1]
+        weights = (scaled - top).exp_()  # [B, V] unnormalised probabilities
         if cfg.top_k > 0 or cfg.top_p < 1.0:
+            log_z = weights.sum(-1).log()
             filtered = scaled
             if cfg.top_k > 0:
                 kth = torch.topk(filtered, min(cfg.top_k, filtered.shape[-1]), dim=-1).values[:, -1:]
@@ -335,13 +555,15 @@ class RolloutEngine:
                 from transformers.generation.logits_process import TopPLogitsWarper
 
                 filtered = TopPLogitsWarper(top_p=cfg.top_p)(None, filtered)
-            probs = torch.softmax(filtered, -1)
+            cdf = (filtered - top).exp_().cumsum_(-1)  # [B, V]
         else:
-            probs = logp.exp()  # the same distribution: no second softmax over the vocabulary
-        # multinomial, not an exponential race: on CPU drawing one random number per vocabulary
-        # entry costs more than the whole softmax (measured in benchmarks/rollout.py's notes).
-        tokens = torch.multinomial(probs, 1)[:, 0]
-        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+            cdf = weights.cumsum_(-1)  # [B, V], in place
+            log_z = cdf[:, -1].log()
+        total = cdf[:, -1:]  # [B, 1]
+        # strictly below the total, so some entry exceeds it; that entry's own weight is > 0
+        x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+        tokens = torch.searchsorted(cdf, x, right=True)[:, 0]
+        return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - top[:, 0] - log_z
 
     @functools.cached_property
     def _tag_closers(self) -> frozenset[int]:
@@ -355,175 +577,157 @@ class RolloutEngine:
         tail = self.tokenizer.decode(turn[-12:], skip_special_tokens=False)
         return any(tag in tail for tag in STOP_TAGS)
 
-    def _observation_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[: self.config.max_obs_tokens]
-
-    # -- packing ----------------------------------------------------------------------------------
+    # -- packing and scoring ----------------------------------------------------------------------
 
     def _to_trajectory(self, rows: list[_Row], device: torch.device) -> Trajectory:
-        lengths = [len(r.prompt) + sum(len(s) for s, _ in r.segments) for r in rows]
-        B, T = len(rows), max(lengths)
-        input_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((B, T), dtype=torch.long)
-        loss_mask = torch.zeros((B, T), dtype=torch.bool)
-        action_id = torch.full((B, T), -1, dtype=torch.long)
+        packed = pack([row.layout for row in rows], self.pad_id)
+        B, T = packed["input_ids"].shape
         answer_mask = torch.zeros((B, T), dtype=torch.bool)
         sample_logp = torch.zeros((B, T), dtype=torch.float32)
-        responses, rewards, ems, f1s = [], [], [], []
         for b, row in enumerate(rows):
-            ids = list(row.prompt)
-            pos = len(ids)
-            for seg, act in row.segments:
-                if act >= 0:
-                    loss_mask[b, pos : pos + len(seg)] = True
-                    action_id[b, pos : pos + len(seg)] = act
-                ids.extend(seg)
-                pos += len(seg)
-            input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[b, : len(ids)] = 1
-            model_positions = loss_mask[b].nonzero()[:, 0]
-            sample_logp[b, model_positions] = torch.tensor(row.sample_logp, dtype=torch.float32)
+            sample_logp[b, packed["loss_mask"][b]] = torch.tensor(row.sample_logp, dtype=torch.float32)
             if row.finish == "answer":
-                start = pos - len(row.segments[-1][0])
-                for offset in self._answer_token_span(row.segments[-1][0]):
+                last = row.layout.segments[-1][0]
+                start = len(row.layout) - len(last)
+                for offset in answer_token_span(self.tokenizer, last):
                     answer_mask[b, start + offset] = True
-            response = self.tokenizer.decode(ids[len(row.prompt):], skip_special_tokens=True)
-            responses.append(response)
-            gold = row.example.golden_answers
-            rewards.append(float(self.reward_fn(response, gold)))
-            pred = extract_answer(response)
-            ems.append(exact_match(pred, gold))
-            f1s.append(f1_score(pred, gold))
+        scores = self._score(rows)
         traj = Trajectory(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            prompt_len=torch.tensor([len(r.prompt) for r in rows], dtype=torch.long),
-            loss_mask=loss_mask,
-            action_id=action_id,
+            input_ids=packed["input_ids"],
+            attention_mask=packed["attention_mask"],
+            prompt_len=packed["prompt_len"],
+            loss_mask=packed["loss_mask"],
+            action_id=packed["action_id"],
             answer_mask=answer_mask,
             group_id=torch.tensor([r.example.group_id for r in rows], dtype=torch.long),
-            reward=torch.tensor(rewards, dtype=torch.float32),
+            reward=torch.tensor(scores["reward"], dtype=torch.float32),
             num_searches=torch.tensor([r.searches for r in rows], dtype=torch.long),
             num_invalid=torch.tensor([r.invalid for r in rows], dtype=torch.long),
             num_actions=torch.tensor([r.actions for r in rows], dtype=torch.long),
             finish_reason=[r.finish for r in rows],
             data_source=[r.example.data_source for r in rows],
-            responses=responses,
+            responses=scores["responses"],
             questions=[r.example.question for r in rows],
             golden_answers=[list(r.example.golden_answers) for r in rows],
-            em=torch.tensor(ems, dtype=torch.float32),
-            f1=torch.tensor(f1s, dtype=torch.float32),
+            model_texts=scores["model_texts"],
+            answers=scores["answers"],
+            em=torch.tensor(scores["em"], dtype=torch.float32),
+            f1=torch.tensor(scores["f1"], dtype=torch.float32),
             sample_logp=sample_logp,
         )
         # The ids exactly as sampled, per rollout: tests check the trajectory never re-tokenised them.
-        traj.extras["sampled_ids"] = [[t for seg, act in r.segments if act >= 0 for t in seg] for r in rows]
+        traj.extras["sampled_ids"] = [[t for ids in r.layout.actions() for t in ids] for r in rows]
         return traj.to(device)
 
-    def _answer_token_span(self, action: list[int]) -> list[int]:
-        """Indices of the action's tokens that overlap its last <answer>...</answer> (char offsets
-        from prefix decoding, exact for any tokenizer)."""
-        text = self.tokenizer.decode(action, skip_special_tokens=False)
-        start = text.rfind("<answer>")
-        end = text.find("</answer>", start)
-        if start == -1 or end == -1:
-            return []
-        end += len("</answer>")
-        span, prev = [], 0
-        for i in range(len(action)):
-            cur = len(self.tokenizer.decode(action[: i + 1], skip_special_tokens=False))
-            if cur > start and prev < end:
-                span.append(i)
-            prev = cur
-            if prev >= end:
-                break
-        return span
+    def _score(self, rows: list[_Row]) -> dict[str, list]:
+        """Reward, EM and F1 from the model's own words only: the reward gets the text of its actions
+        (no observation, no invalid-action message); EM/F1 score the answer of its last action.
+        The full response text, observations included, is kept for logging."""
+        out: dict[str, list] = {k: [] for k in ("responses", "model_texts", "answers", "reward", "em", "f1")}
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        for row in rows:
+            actions = [decode(ids) for ids in row.layout.actions()]
+            text = "".join(actions)
+            answer = extract_answer(actions[-1]) if actions else None
+            gold = row.example.golden_answers
+            out["responses"].append(decode([t for ids, _ in row.layout.segments for t in ids]))
+            out["model_texts"].append(text)
+            out["answers"].append(answer)
+            out["reward"].append(float(self.reward_fn(text, gold)))
+            out["em"].append(exact_match(answer, gold))
+            out["f1"].append(f1_score(answer, gold))
+        return out
 
 
-@contextlib.contextmanager
-def _lora_folded(model: nn.Module) -> Iterator[None]:
-    """Sample with LoRA folded into the base weights: one matmul per layer instead of three (the
-    adapter's two small matmuls cost as much as the base one at decode batch sizes).
+class _RaggedCache(DynamicCache):
+    """The KV cache of one rollout batch: per layer, keys and values in buffers
+    [S, kv_heads, C, head_dim] (S slots, capacity C), slot s holding its row's tokens at positions
+    0..length-1 (left-aligned, no holes: each row attends over its own length only). Before a
+    forward the engine sets which slots take part (``rows``, None = all) and where each new token
+    goes (``at``: [B, q] positions, also its position ids); a row's padding tokens write past its
+    length, where its next real tokens overwrite them. A buffer grows geometrically (O(1) amortised
+    copies per token), never by concatenating at every step."""
 
-    peft's merge_adapter/unmerge_adapter adds then subtracts the update, which leaves rounding
-    drift in the frozen base (and so in the reference policy) after every rollout. Instead each
-    adapted layer gets a new weight tensor W + delta while the adapter path is disabled, and the
-    original tensor object is put back afterwards: exact, at the cost of one extra copy of the
-    adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
-    """
-    layers = [m for m in model.modules() if callable(getattr(m, "get_delta_weight", None)) and hasattr(m, "base_layer")]
-    if not layers or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
-        yield
-        return
-    originals = []
-    with model.disable_adapter():
-        try:
-            for layer in layers:
-                weight = layer.base_layer.weight
-                delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
-                originals.append((weight, weight.data))
-                weight.data = weight.data + delta.to(weight.dtype)
-            yield
-        finally:
-            for weight, data in originals:
-                weight.data = data
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.rows: Optional[Tensor] = None
+        self.at: Optional[Tensor] = None
+        self.kv_len = 0
+        self.capacity = 0
 
+    def prepare(self, at: Tensor, rows: Optional[Tensor], kv_len: int) -> None:
+        """Set up the next forward: keys 0..kv_len-1 (kv_len > every position in ``at``; the
+        engine knows it on the host, so no device sync)."""
+        self.at, self.rows, self.kv_len = at, rows, kv_len
+        if self.kv_len > self.capacity:
+            self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
 
-class _GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values live in a buffer with spare room along the sequence:
-    appending a token writes into it, instead of torch.cat re-allocating and copying the whole cache
-    at every step (quadratic in the length; the largest non-matmul cost of CPU decoding). The
-    attention reads a view of the filled part."""
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
+        if layer_idx == len(self.k):
+            shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
+            self.k.append(key_states.new_zeros(shape))
+            self.v.append(value_states.new_zeros(shape))
+        if self.k[layer_idx].shape[2] < self.capacity:
+            self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.rows is None:  # every slot: scatter along the sequence, and attend over views (no copy)
+            index = self.at[:, None, :, None].expand(key_states.shape)  # [S, kv_heads, q, head_dim]
+            k.scatter_(2, index, key_states)
+            v.scatter_(2, index, value_states)
+            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
+        k[self.rows[:, None], :, self.at] = key_states.transpose(1, 2)  # indexed as [B, q, kv_heads, head_dim]
+        v[self.rows[:, None], :, self.at] = value_states.transpose(1, 2)
+        return k[self.rows, :, : self.kv_len], v[self.rows, :, : self.kv_len]  # copies: [B, kv_heads, kv_len, head_dim]
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._kbuf = self._vbuf = None
-            self._len = 0
-        need = self._len + key_states.shape[-2]
-        if self._kbuf is None or need > self._kbuf.shape[-2] or self._kbuf.shape[0] != key_states.shape[0]:
-            self._grow(key_states, value_states, need)
-        self._kbuf[:, :, self._len : need] = key_states
-        self._vbuf[:, :, self._len : need] = value_states
-        self._len = need
-        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
-        return self.keys, self.values
+    def _grown(self, buf: Tensor) -> Tensor:
+        out = buf.new_zeros(buf.shape[:2] + (self.capacity, buf.shape[-1]))
+        out[:, :, : buf.shape[2]] = buf
+        return out
 
-    def _grow(self, key_states: Tensor, value_states: Tensor, need: int) -> None:
-        capacity = max(need + 64, int(need * 1.5))  # geometric: O(1) amortised copies per token
-        kbuf = key_states.new_empty(key_states.shape[:2] + (capacity, key_states.shape[-1]))
-        vbuf = value_states.new_empty(value_states.shape[:2] + (capacity, value_states.shape[-1]))
-        if self._len:
-            kbuf[:, :, : self._len] = self.keys
-            vbuf[:, :, : self._len] = self.values
-        self._kbuf, self._vbuf = kbuf, vbuf
+    def repeat_rows(self, repeats: int) -> None:
+        self.k = [k.repeat_interleave(repeats, dim=0) for k in self.k]
+        self.v = [v.repeat_interleave(repeats, dim=0) for v in self.v]
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized and self._len:
-            self._kbuf = self._kbuf.repeat_interleave(repeats, dim=0)
-            self._vbuf = self._vbuf.repeat_interleave(repeats, dim=0)
-            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
+    def keep_rows(self, index: Tensor) -> None:
+        self.k = [k[index] for k in self.k]
+        self.v = [v[index] for v in self.v]
 
-    def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized and self._len:
-            self._kbuf, self._vbuf = self._kbuf[indices], self._vbuf[indices]
-            self.keys, self.values = self._kbuf[:, :, : self._len], self._vbuf[:, :, : self._len]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if self.is_initialized and self.keys is not None:
-            self._len = self.keys.shape[-2]
-
-    def reset(self) -> None:
-        self._kbuf = self._vbuf = None
-        self._len = 0
-        super().reset()
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
 
 
-def _growing_cache():
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _GrowingLayer  # layers are created on first use
-    return cache
+class _Decoder:
+    """The policy's decoder and LM head over a ragged cache: new tokens at explicit positions, with
+    the 4-D mask that lets each see its own row's earlier tokens and nothing else."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.decoder, self.head = decoder_and_head(model)
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+        if impl not in (None, "sdpa", "eager"):
+            raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
+        self.additive_mask = impl == "eager"  # eager adds the mask to the scores; sdpa takes a boolean one
+        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
+        self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        embeddings = model.get_input_embeddings().weight  # the hidden states' dtype (weights may be packed 4-bit)
+        self.device, self.dtype = embeddings.device, embeddings.dtype
+        self.cache = _RaggedCache()
+
+    def __call__(self, ids: Tensor, at: Tensor, kv_len: int, rows: Optional[Tensor] = None) -> Tensor:
+        """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot);
+        kv_len: one more than the largest position. Returns the last hidden states [B, q, D]."""
+        self.cache.prepare(at, rows, kv_len)
+        keys = torch.arange(kv_len, device=self.device)
+        mask = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        out = self.decoder(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=at, **{self.cache_arg: self.cache}, use_cache=True)
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden).float()
 
 
 def _eos_ids(tokenizer) -> list[int]:

@@ -7,10 +7,11 @@ work with (measured: SmolLM2-135M-Instruct, 0 of 29 samples used a tag). Search-
 
     <search> ENTITY </search>  <information>...retrieved passages...</information>  <answer> GOLD </answer>
 
-Each gold trajectory is built with the same pieces the rollout engine uses (chat prompt, separately
-tokenised turns, ``format_observation`` cut at ``max_obs_tokens``), so the warm-started model
-produces exactly the token layout GRPO will later sample. The loss is cross-entropy on the model's
-own turns only; observation and prompt tokens carry none, as in RL (PAPER.md §1).
+Each gold trajectory is a ``Layout`` built with the rollout engine's own pieces (``prompt_token_ids``,
+separately tokenised turns, ``observation_ids`` cut at ``max_obs_tokens``) and packed by its
+``pack``, so the warm-started model learns exactly the token layout GRPO will later sample. The
+loss is cross-entropy on the model's own turns only; observation and prompt tokens carry none, as
+in RL (PAPER.md §1).
 
 The search queries are the question's supporting titles when the data has them (the synthetic
 knowledge base does: ``metadata.supporting_titles``), else the question itself. With
@@ -23,7 +24,6 @@ writes a plain Hugging Face model directory (LoRA merged); point ``model.policy.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -39,11 +39,12 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 
 from lldslight.data.example import QAExample
+from lldslight.errors import ArgumentParser
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_dtype, save_merged
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
-from lldslight.rollout import format_observation, prompt_token_ids
+from lldslight.rollout import Layout, format_observation, observation_ids, pack, prompt_token_ids
 
 
 @dataclass
@@ -96,23 +97,23 @@ def gold_turns(example: QAExample, retriever: Retriever, cfg: GoldConfig) -> Opt
     return pieces
 
 
-def encode_gold(example: QAExample, pieces: list[tuple[str, bool]], tokenizer, cfg: GoldConfig) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask): the prompt as the rollout builds it, each piece tokenised on its own."""
-    ids = prompt_token_ids(tokenizer, example.messages)
-    mask = [0] * len(ids)
+def encode_gold(example: QAExample, pieces: list[tuple[str, bool]], tokenizer, cfg: GoldConfig) -> Layout:
+    """The gold trajectory in the rollout's token layout: the prompt as the rollout builds it, each
+    model turn tokenised on its own (action 0, 1, ...), observations cut as the rollout cuts them."""
+    layout = Layout(prompt_token_ids(tokenizer, example.messages))
+    action = 0
     for text, is_model in pieces:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not is_model:
-            piece = piece[: cfg.max_obs_tokens]
-        ids += piece
-        mask += [int(is_model)] * len(piece)
+        if is_model:
+            layout.add(tokenizer(text, add_special_tokens=False)["input_ids"], action)
+            action += 1
+        else:
+            layout.add(observation_ids(tokenizer, text, cfg.max_obs_tokens), -1)
     if cfg.end_with_eos and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-        mask.append(1)
-    return ids, mask
+        layout.segments[-1][0].append(tokenizer.eos_token_id)  # part of the last (answer) action
+    return layout
 
 
-def build_gold_set(examples: list[QAExample], retriever: Retriever, tokenizer, cfg: GoldConfig) -> tuple[list[tuple[list[int], list[int]]], dict]:
+def build_gold_set(examples: list[QAExample], retriever: Retriever, tokenizer, cfg: GoldConfig) -> tuple[list[Layout], dict]:
     """Encoded gold trajectories of every usable example, and counts of what was skipped and why."""
     rows, stats = [], {"examples": len(examples), "kept": 0, "too_many_searches": 0, "truncated": 0, "answer_not_retrieved": 0}
     for ex in examples:
@@ -130,14 +131,10 @@ def build_gold_set(examples: list[QAExample], retriever: Retriever, tokenizer, c
     return rows, stats
 
 
-def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, Tensor]:
-    """Right-padded input_ids, attention_mask and loss_mask."""
-    width = max(len(ids) for ids, _ in rows)
-    return {
-        "input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in rows]),
-        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]),
-        "loss_mask": torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool),
-    }
+def pad_batch(rows: list[Layout], pad_id: int) -> dict[str, Tensor]:
+    """The rollout's packer (lldslight.rollout.pack): right-padded input_ids, attention_mask,
+    loss_mask (the model's turns), action_id and prompt_len."""
+    return pack(rows, pad_id)
 
 
 def sft_loss(model, batch: dict[str, Tensor]) -> Tensor:
@@ -238,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lldslight.retrieval.http import HttpRetriever
     from lldslight.retrieval.index import load_index
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lldslight sft",
         description="Supervised warm start on gold search trajectories; writes a HF model directory for model.policy.model.",
     )

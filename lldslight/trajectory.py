@@ -29,16 +29,19 @@ class Trajectory:
     num_actions: Tensor  # [B] long
     finish_reason: list[str]  # "answer" | "max_turns" | "length"
     data_source: list[str]
-    responses: list[str]  # decoded response text, observations included
+    responses: list[str]  # decoded response text, observations included (for logging)
     questions: list[str] = field(default_factory=list)
     golden_answers: list[list[str]] = field(default_factory=list)
+    model_texts: list[str] = field(default_factory=list)  # the model's actions only: what the reward saw
+    answers: list[str | None] = field(default_factory=list)  # the answer of the last action (EM/F1), or None
     em: Tensor | None = None  # [B] float
     f1: Tensor | None = None  # [B] float
     sample_logp: Tensor | None = None  # [B, T] log-probs seen while sampling (diagnostics)
     advantage: Tensor | None = None  # [B] float
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
-    extras: dict[str, Any] = field(default_factory=dict)
+    old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
+    extras: dict[str, Any] = field(default_factory=dict)  # per-row lists/tensors are sliced by select
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -48,19 +51,51 @@ class Trajectory:
         return self.loss_mask.sum(-1)
 
     def select(self, index: Tensor | list[int]) -> "Trajectory":
-        """Rows ``index`` (a mini- or micro-batch), trimmed to their longest row to cut padding."""
+        """Rows ``index`` (a mini- or micro-batch), trimmed to their longest row to cut padding.
+        Per-row values in ``extras`` (lists and tensors of length B) are selected too."""
         idx = torch.as_tensor(index, dtype=torch.long)
+        B, T = self.input_ids.shape
         width = int(self.attention_mask[idx.to(self.attention_mask.device)].sum(-1).max().item()) if len(idx) else 0
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
+
+        def rows(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == B:
                 value = value[idx.to(value.device)]
-                if value.dim() == 2:
-                    value = value[:, :width]
-            elif isinstance(value, list) and len(value) == len(self):
-                value = [value[i] for i in idx.tolist()]
-            out[f.name] = value
+                return value[:, :width] if value.dim() == 2 and value.shape[1] == T else value
+            if isinstance(value, list) and len(value) == B:
+                return [value[i] for i in idx.tolist()]
+            return value
+
+        out = {f.name: rows(getattr(self, f.name)) for f in fields(self) if f.name != "extras"}
+        return Trajectory(**out, extras={k: rows(v) for k, v in self.extras.items()})
+
+    @staticmethod
+    def concat(parts: list["Trajectory"]) -> "Trajectory":
+        """The rows of ``parts`` one after the other, right-padded to the widest (padding: attention
+        and loss masks 0, action_id -1, everything else 0). Optional tensors must be set in all parts
+        or in none; per-row extras are concatenated, others taken from the first part."""
+        if not parts:
+            raise ValueError("Trajectory.concat needs at least one part")
+        width = max(p.input_ids.shape[1] for p in parts)
+        out: dict[str, Any] = {}
+        for f in fields(Trajectory):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name == "extras":
+                first = values[0]
+                out[f.name] = {
+                    k: [x for p in parts for x in p.extras[k]] if all(_per_row(p.extras.get(k), len(p)) for p in parts) else v
+                    for k, v in first.items()
+                }
+            elif all(isinstance(v, Tensor) for v in values):
+                if values[0].dim() == 2:
+                    pad = -1 if f.name == "action_id" else 0
+                    values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad) for v in values]
+                out[f.name] = torch.cat(values)
+            elif all(v is None for v in values):
+                out[f.name] = None
+            elif all(isinstance(v, list) for v in values):
+                out[f.name] = [x for v in values for x in v]
+            else:
+                raise ValueError(f"Trajectory.concat: field {f.name!r} is set in some parts and not in others")
         return Trajectory(**out)
 
     def to(self, device: torch.device | str) -> "Trajectory":
@@ -86,3 +121,7 @@ class Trajectory:
             raise ValueError("Trajectory.action_id must be >= 0 exactly on model tokens")
         if (self.answer_mask & ~self.loss_mask).any():
             raise ValueError("Trajectory.answer_mask is set outside model tokens")
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    return isinstance(value, list) and len(value) == rows

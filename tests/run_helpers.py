@@ -10,11 +10,17 @@ as a subprocess (PYTHONPATH=tests, so YAML names them as ``run_helpers.X``).
   ranks' mini-batches); optionally it first re-samples step 0 from each rank's recorded prompts
   and RNG state with the unsharded policy and requires the very same tokens.
 - ``KillAtStep``: SIGKILLs its own process in the middle of a step (after the rollout).
+- ``SplitReward``: a reward that ties some prompts for good (dynamic sampling must drop them) and
+  splits the others by response-length parity.
+- ``CountGenerate``: records, per step and rank, every generate call's groups and rewards and the
+  trajectory trained on (dynamic sampling's rank agreement).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +35,58 @@ from lldslight.trajectory import Trajectory
 class ParityReward:
     def __call__(self, response: str, golden_answers: list[str]) -> float:
         return float(len(response) % 2)
+
+
+class SplitReward:
+    """0 for every response to a "tied" prompt (crc32 of its first gold answer divisible by
+    ``tie_every``), else the parity of the response length: tied prompts can never form a group with
+    mixed rewards, the others usually do. Only the model's words and the gold answers are seen."""
+
+    def __init__(self, tie_every: int = 3) -> None:
+        self.tie_every = tie_every
+
+    def tied(self, golden_answers: list[str]) -> bool:
+        return zlib.crc32(golden_answers[0].encode()) % self.tie_every == 0
+
+    def __call__(self, response: str, golden_answers: list[str]) -> float:
+        return 0.0 if self.tied(golden_answers) else float(len(response) % 2)
+
+
+class CountGenerate(pl.Callback):
+    """Wraps ``RolloutEngine.generate`` (this process only) to record every call's group ids and
+    rewards; writes ``step<N>_rank<R>.json`` with them and the trained trajectory's group ids."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out = Path(out_dir)
+        self.calls: list[dict] = []
+        self.steps: list[dict] = []
+        self._original = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        original = self._original = RolloutEngine.generate
+
+        def counted(engine, model, examples, *args, **kwargs):
+            traj = original(engine, model, examples, *args, **kwargs)
+            if engine.config.group_size > 1:  # training rollouts, not evaluation
+                self.calls.append({"group_id": traj.group_id.tolist(), "reward": traj.reward.tolist()})
+            return traj
+
+        RolloutEngine.generate = counted
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if self._original is not None:
+            RolloutEngine.generate, self._original = self._original, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.calls = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        traj = pl_module.last_rollout
+        record = {"calls": self.calls, "rows": len(traj), "group_id": traj.group_id.tolist(), "reward": traj.reward.tolist(),
+                  "input_ids": traj.input_ids.tolist()}
+        self.steps.append(record)
+        (self.out / f"step{trainer.global_step - 1}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 class RecordRollouts(pl.Callback):
@@ -48,25 +106,10 @@ class RecordRollouts(pl.Callback):
 
 def interleave(parts: list[Trajectory], chunks: int) -> Trajectory:
     """One trajectory from several ranks' ones: chunk c of every part, then chunk c + 1, ..."""
-    width = max(p.input_ids.shape[1] for p in parts)
-    pieces: list[tuple[Trajectory, list[int]]] = []
-    for c in range(chunks):
-        for p in parts:
-            idx = torch.tensor_split(torch.arange(len(p)), chunks)[c].tolist()
-            pieces.append((p, idx))
-    out = {}
-    for name in ("input_ids", "attention_mask", "loss_mask", "action_id", "answer_mask", "sample_logp"):
-        rows = []
-        for p, idx in pieces:
-            t = getattr(p, name)[idx]
-            pad = {"action_id": -1}.get(name, 0)
-            rows.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
-        out[name] = torch.cat(rows)
-    for name in ("prompt_len", "group_id", "reward", "num_searches", "num_invalid", "num_actions", "em", "f1"):
-        out[name] = torch.cat([getattr(p, name)[idx] for p, idx in pieces])
-    for name in ("finish_reason", "data_source", "responses", "questions", "golden_answers"):
-        out[name] = [getattr(p, name)[i] for p, idx in pieces for i in idx]
-    return Trajectory(**out)
+    pieces = [p.select(torch.tensor_split(torch.arange(len(p)), chunks)[c]) for c in range(chunks) for p in parts]
+    out = Trajectory.concat(pieces)
+    out.advantage = out.old_logp = out.ref_logp = None  # the replaying module computes its own
+    return out
 
 
 class ReplayRollouts(pl.Callback):

@@ -216,3 +216,54 @@ def test_shared_multihop_corpora_hold_the_supporting_passages() -> None:
     exs, corpus = load_musique(shared("multihop/musique_train100.json"), shared("multihop/musique_train100_corpus.json"))
     assert all(e.meta["supporting_ids"] for e in exs)
     assert exs[0].golden_answers == ["G. Stanley Hall", "Stanley Hall"]
+
+
+# ----------------------------------------------------------------------------- multi-hop sets, by hand
+
+
+def test_multihop_loaders_link_supporting_passages_by_hand(tmp_path: Path) -> None:
+    ctx = lambda i, t, s: {"id": i, "title": t, "paragraph_text": f"{t} text.", "is_supporting": s}  # noqa: E731
+    hot = tmp_path / "hot.jsonl"
+    hot.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": "a", "question_text": "Qa?", "answers_objects": [{"spans": ["x"]}],
+         "contexts": [ctx(0, "P", "True"), ctx(1, "Shared", "False"), ctx(2, "R", "True")]},
+        {"question_id": "b", "question_text": "Qb?", "answers_objects": [{"spans": ["y", "z"]}],
+         "contexts": [ctx(0, "Shared", "True"), ctx(1, "S", "False")]},
+    ]))
+    exs, corpus = load_hotpotqa_with_contexts(hot)
+    # "Shared" is stored once, under its first id a-1; question b points at it.
+    assert [r["id"] for r in corpus] == ["a-0", "a-1", "a-2", "b-1"]
+    assert corpus[1]["contents"] == '"Shared"\nShared text.'
+    assert [e.meta["supporting_ids"] for e in exs] == [["a-0", "a-2"], ["a-1"]]
+    assert [c["id"] for c in exs[1].meta["contexts"]] == ["a-1", "b-1"]
+    assert exs[1].golden_answers == ["y", "z"] and exs[0].data_source == "hotpotqa"
+
+    two_q, two_c = tmp_path / "2w.json", tmp_path / "2w_corpus.json"
+    two_q.write_text(json.dumps([{"question": "Q?", "answer": "1961", "question_type": "compose",
+                                  "evidence": [["Azox", "born", "Telvara"], ["Telvara", "in", "Vex"], ["Azox", "x", "y"]]}]))
+    two_c.write_text(json.dumps([{"title": "Telvara", "text": "t"}, {"title": "Azox", "text": "a"},
+                                 {"title": "Other", "text": "o"}, {"title": "Azox", "text": "a2"}]))
+    (ex,), corpus = load_2wiki(two_q, two_c)
+    assert (ex.id, ex.golden_answers, ex.meta["supporting_titles"]) == ("2w_0", ["1961"], ["Azox", "Telvara"])
+    assert ex.meta["supporting_ids"] == ["1", "3", "0"] and len(corpus) == 4
+
+    mu_q, mu_c = tmp_path / "mu.json", tmp_path / "mu_corpus.json"
+    mu_q.write_text(json.dumps([{"id": "m1", "question": "Q?", "answer": "A", "answer_aliases": ["A", "Aa"],
+                                 "question_decomposition": [], "paragraphs": [
+                                     {"idx": 0, "title": "T", "paragraph_text": "one", "is_supporting": True},
+                                     {"idx": 1, "title": "T", "paragraph_text": "two", "is_supporting": False}]}]))
+    mu_c.write_text(json.dumps([{"title": "T", "text": "two"}, {"title": "T", "text": "one"}]))
+    (ex,), _ = load_musique(mu_q, mu_c)
+    assert ex.golden_answers == ["A", "Aa"] and ex.meta["supporting_ids"] == ["1"]  # by contents, not title
+
+
+def test_multihop_malformed_records_name_the_field(tmp_path: Path) -> None:
+    p = tmp_path / "hot.jsonl"
+    p.write_text(json.dumps({"question_text": "Q?", "answers_objects": [{"spans": ["x"]}], "contexts": []}))
+    with pytest.raises(DataFormatError, match=r"hot\.jsonl, row 0, field 'question_id'"):
+        load_examples(p)
+    p = tmp_path / "mu.json"
+    p.write_text(json.dumps([{"id": "m", "question": "Q?", "answer": "A", "question_decomposition": [],
+                              "paragraphs": [{"title": "T", "paragraph_text": "x"}, {"title": "T"}]}]))
+    with pytest.raises(DataFormatError, match=r"mu\.json, row 0, field 'paragraphs\[1\]\.paragraph_text'"):
+        load_examples(p)

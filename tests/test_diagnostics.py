@@ -179,3 +179,82 @@ def test_bad_thresholds_are_named() -> None:
 def test_ols_slope() -> None:
     assert diag.ols_slope([1.0, 3.0, 5.0, 7.0]) == pytest.approx(2.0)
     assert diag.ols_slope([4.0]) == 0.0
+
+
+# ------------------------------------------------------------------------------ gate, control tokens, tools
+
+
+def test_gate_open_share_by_hand() -> None:
+    # Row 0 (preserving): action 0 at t=1,2 (d = 0.5, -0.2: sum 0.3, opens), an observation at t=3,
+    # action 1 at t=4,5 (d = -0.5, 0.1: sum -0.4, stays shut); the response's d sums to -0.1: shut.
+    # Row 1 (preserving): one action, d = 0.1, 0.1 plus a NaN token left out: opens, response opens.
+    # Row 2 is not in the measured set (A < 0): its big fall counts for nothing.
+    before = torch.full((3, 6), -1.0)
+    after = torch.tensor([
+        [0.0, -1.5, -0.8, 5.0, -0.5, -1.1],
+        [0.0, -1.1, -1.1, float("nan"), 0.0, 0.0],
+        [0.0, -9.0, -9.0, -9.0, 0.0, 0.0],
+    ])
+    action = torch.tensor([[-1, 0, 0, -1, 1, 1], [-1, 0, 0, 0, -1, -1], [-1, 0, 0, 0, -1, -1]])
+    measured = torch.tensor([[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    stats = diag.gate_open_stats(before, after, measured, action)
+    assert stats["lld/gate_open_actions"] == (2.0, 3.0)
+    assert stats["lld/gate_open_responses"] == (1.0, 2.0)
+    assert diag.gate_open_stats(before, after, torch.zeros_like(measured), action)["lld/gate_open_actions"] == (0.0, 0.0)
+
+
+def test_tag_spans_name_the_tokens_that_spell_each_tag() -> None:
+    pieces = ["<", "search", ">", " who", "</", "search", ">", "x<answer>y", " </answer", ">"]
+    found = diag.tag_spans(pieces)
+    assert found == {"search_open": [(0, 2)], "search_close": [(4, 6)], "answer_open": [(7, 7)], "answer_close": [(8, 9)]}
+    assert diag.tag_spans(["<search><search>"])["search_open"] == [(0, 0), (0, 0)]
+    assert diag.tag_spans(["</search>"])["search_open"] == []
+
+
+def test_control_token_probabilities_with_the_real_tokenizer(tiny_policy) -> None:
+    """Real SmolLM2 tokens (it splits "<search>" into "<", "search", ">"); the tokens that spell each tag
+    found independently, by decoding growing prefixes."""
+    from lldslight.rollout import _eos_ids
+
+    _, tok = tiny_policy
+    eos = _eos_ids(tok)
+    act0 = tok("<think>go</think>\n<search> Paris mayor </search>", add_special_tokens=False)["input_ids"]
+    obs = tok("\n\n<information>Doc 1 <search>not the model's</search></information>\n\n", add_special_tokens=False)["input_ids"]
+    act1 = tok("<answer> Anne </answer>", add_special_tokens=False)["input_ids"] + [eos[0]]
+    prompt = [1, 2]
+    ids = prompt + act0 + obs + act1
+    T = len(ids)
+    mask = torch.zeros(1, T, dtype=torch.bool)
+    action = torch.full((1, T), -1)
+    a0, a1 = len(prompt), len(prompt) + len(act0) + len(obs)
+    mask[0, a0 : a0 + len(act0)] = mask[0, a1:] = True
+    action[0, a0 : a0 + len(act0)], action[0, a1:] = 0, 1
+    probs = torch.linspace(0.05, 0.95, T)  # a different probability at every position
+    stats = diag.control_token_stats(
+        torch.tensor([ids]), mask, action, probs.log().unsqueeze(0),
+        lambda xs: tok.batch_decode([[x] for x in xs], skip_special_tokens=False), eos,
+    )
+
+    def spelled(offset: int, action_ids: list[int], tag: str) -> float:
+        start = tok.decode(action_ids).index(tag)
+        first = next(i for i in range(len(action_ids)) if len(tok.decode(action_ids[: i + 1])) > start)
+        last = next(i for i in range(len(action_ids)) if len(tok.decode(action_ids[: i + 1])) >= start + len(tag))
+        assert last > first  # the tag takes several tokens: the product is not one token's probability
+        return math.prod(float(probs[offset + i]) for i in range(first, last + 1))
+
+    expected = {
+        "diag/p_search_open": spelled(a0, act0, "<search>"),
+        "diag/p_search_close": spelled(a0, act0, "</search>"),
+        "diag/p_answer_open": spelled(a1, act1, "<answer>"),
+        "diag/p_answer_close": spelled(a1, act1, "</answer>"),
+        "diag/p_eos": float(probs[T - 1]),
+    }
+    for key, value in expected.items():
+        total, count = stats[key]
+        assert count == 1 and total == pytest.approx(float(value), rel=1e-5), key  # the observation's tags are not counted
+
+
+def test_tool_call_stats_by_hand() -> None:
+    stats = diag.tool_call_stats(torch.tensor([0, 2, 1, 0]), torch.tensor([1, 3, 2, 2]))
+    assert stats["diag/tool_call_rate"] == (2.0, 4.0)
+    assert stats["diag/searches_per_action"] == (3.0, 8.0)

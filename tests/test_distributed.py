@@ -71,14 +71,15 @@ COMPARED = ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm", "train
             "train/entropy", "train/clip_frac", "train/reward", "train/zero_var_groups", "train/lr")
 
 
-def run_fit(tmp: Path, name: str, body: str, in_process: bool = False) -> Path:
-    """`lldslight fit` on the tiny config plus ``body``; returns the run's log directory. The
-    two-process runs are subprocesses (Lightning's launcher starts the second rank itself); the
-    one-process replay runs in this process, one thread like the others (saves a start-up)."""
+def run_fit(tmp: Path, name: str, body: str, in_process: bool = False, extra: tuple[str, ...] = (), save_dir: Path | None = None) -> Path:
+    """`lldslight fit` on the tiny config plus ``body`` (and ``extra`` arguments); returns the run's
+    log directory. The two-process runs are subprocesses (Lightning's launcher starts the second
+    rank itself); the one-process replay runs in this process, one thread like the others (saves a
+    start-up)."""
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(body + MODEL)
-    save_dir = tmp / name
-    args = ["fit", "--config", "configs/tiny.yaml", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(save_dir)]
+    save_dir = save_dir or tmp / name
+    args = ["fit", "--config", "configs/tiny.yaml", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(save_dir), *extra]
     if in_process:
         from lldslight.cli import main
 
@@ -94,7 +95,7 @@ def run_fit(tmp: Path, name: str, body: str, in_process: bool = False) -> Path:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "lldslight.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
-    return save_dir / "tiny" / "version_0"
+    return max((save_dir / "tiny").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
 
 
 def metrics(run: Path) -> dict[int, dict[str, float]]:
@@ -179,3 +180,37 @@ def test_fsdp1_strategy_is_refused_with_a_pointer_to_fsdp2():
         fsdp2_strategy_check(FSDPStrategy())
     fsdp2_strategy_check(DDPStrategy())
     fsdp2_strategy_check(FSDP2Strategy())
+
+
+FULL_FT = ("--model.policy.lora", "null", "--model.kl_coef", "0.05", "--model.lr", "1e-3")
+
+
+@pytest.mark.slow
+def test_fsdp2_full_finetuning_with_a_reference_model_resumes_bit_for_bit(tmp_path):
+    """The paper's recipes: full fine-tuning under FSDP2 with a separate frozen reference model
+    (KL on). Three steps in one go vs two steps, then a restart from the checkpoint for the third:
+    the same metrics and final weights, bit for bit."""
+    fmt = dict(rec=tmp_path / "rec", retriever=RETRIEVER, rollout=ROLLOUT, strategy="{class_path: lldslight.distributed.FSDP2Strategy}")
+
+    def body(steps: int) -> str:
+        # A checkpoint after every step (mid-epoch): the one saved when max_steps ends an unfinished
+        # epoch makes Lightning start the next epoch on resume, with another prompt order.
+        return MULTI.format(steps=steps, **fmt).replace("{save_last: true}", "{save_last: true, every_n_train_steps: 1}")
+
+    whole = run_fit(tmp_path, "whole", body(3), extra=FULL_FT)
+    part = run_fit(tmp_path, "part", body(2), extra=FULL_FT)
+    resumed = run_fit(tmp_path, "resumed", body(3), extra=(*FULL_FT, "--ckpt_path", "last"), save_dir=part.parents[1])
+    assert resumed != part, "the resumed run logs to a new version directory"
+    want, got = metrics(whole), {**metrics(part), **metrics(resumed)}
+    assert sorted(want) == sorted(got) == [0, 1, 2] and sorted(metrics(resumed)) == [2]
+    assert any(0 < want[s]["train/reward"] < 1 for s in want), "no mixed-reward group: the check would be vacuous"
+    assert want[2]["train/kl"] > 0, "the policy should have moved away from the frozen reference"
+    for step in want:
+        keys = {k for k in want[step] if k.startswith("train/")}
+        assert keys == {k for k in got[step] if k.startswith("train/")}
+        for key in sorted(keys):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+    a, b = weights(whole), weights(resumed)
+    assert a.keys() == b.keys() and a and all(k.startswith("policy.") and "lora_" not in k for k in a), sorted(a)[:5]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -67,3 +67,5 @@ def test_validate_from_checkpoint(tiny_run, tmp_path, monkeypatch):
     assert rows[0]["val/n"] and float(rows[0]["val/n"]) == 6  # every dev example exactly once
     per_source = [k for k in rows[0] if k.startswith("val/em/synth_")]
     assert per_source, "EM per data_source is logged"
+    # the report is named after the checkpoint's step (2), not validate's own global_step (0)
+    assert sorted(p.name for p in run.glob("val_step*")) == ["val_step2.json", "val_step2.md"]

@@ -210,25 +210,23 @@ def test_restore_goes_back_to_the_last_clean_rollout_batch(small_policy, tmp_pat
 
 
 class NaNLogprobs(GRPOModule):
-    """Writes NaN into chosen tokens' log-probs: training log-probs of row 0 and old log-probs of row 1."""
-
-    def _logprobs(self, traj, with_entropy=False, reference=False):
-        logp, entropy = super()._logprobs(traj, with_entropy=with_entropy, reference=reference)
-        if with_entropy and traj.group_id[0] == 0 and traj.reward[0] == 1:  # rollout row 0, training pass
-            poison = torch.zeros_like(logp)
-            poison[0, 7:9] = float("nan")
-            logp = logp + poison
-        return logp, entropy
+    """Writes NaN into chosen tokens' log-probs: training log-probs of rollout row 0 (group 0,
+    reward 1) and old log-probs of rollout row 1 (group 0, reward 0)."""
 
     def __init__(self, **kwargs):
-        # Old log-probs must all come from prepare_rollout, where the NaNs are injected.
+        # Old log-probs must all come from the no-grad pass before the updates, where the NaNs go.
         super().__init__(reuse_onpolicy_logp=False, **kwargs)
 
-    def prepare_rollout(self, traj, **kwargs):
-        traj = super().prepare_rollout(traj, **kwargs)
-        traj.old_logp[1, 17] = float("nan")
-        traj.old_logp[1, 10] = float("-inf")
-        return traj
+    def logprobs(self, traj, reference=False, with_entropy=False):
+        logp, entropy = super().logprobs(traj, reference=reference, with_entropy=with_entropy)
+        poison = torch.zeros_like(logp)
+        if with_entropy:  # a training pass
+            poison[(traj.group_id == 0) & (traj.reward == 1), 7:9] = float("nan")
+        elif not reference:  # the old log-probs
+            row = (traj.group_id == 0) & (traj.reward == 0)
+            poison[row, 17] = float("nan")
+            poison[row, 10] = float("-inf")
+        return logp + poison, entropy
 
 
 def test_nonfinite_logprobs_are_dropped_and_counted(small_policy, tmp_path):

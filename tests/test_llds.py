@@ -14,8 +14,9 @@ import yaml
 
 from lldslight import objectives as obj
 from lldslight.callbacks import LLDS, GradientSpikeGuard, SearchRollout
-from lldslight.module import GRPOModule, LossContext
+from lldslight.module import GRPOModule
 from lldslight.trajectory import Trajectory
+from lldslight.update import LossContext, Totals, mean_valid_searches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,10 +60,10 @@ HAND = {
 }
 
 
-def _penalty(gate, normaliser="preserving", weight=None, d=D):
+def _penalty(gate, normaliser=N_PRESERVING, weight=None, d=D):
     logp = torch.full(d.shape, -1.0, dtype=torch.float64, requires_grad=True)
     old_logp = logp.detach() + d
-    loss, diag = obj.llds_penalty(logp, old_logp, ADV, MASK, ACTION, gate, normaliser, weight)
+    loss, diag = obj.llds_penalty(logp, old_logp, ADV, MASK, ACTION, normaliser, gate, weight)
     return loss, diag, logp
 
 
@@ -70,8 +71,8 @@ def _penalty(gate, normaliser="preserving", weight=None, d=D):
 @pytest.mark.parametrize("normaliser", ["preserving", "all"])
 def test_penalty_by_hand(gate, normaliser):
     total, tokens, actions = HAND[gate]
-    loss, diag, _ = _penalty(gate, normaliser)
     n = N_PRESERVING if normaliser == "preserving" else N_ALL
+    loss, diag, _ = _penalty(gate, n)
     assert loss.item() == pytest.approx(total / n, abs=1e-12)
     assert diag["active_tokens"].item() == tokens
     assert diag["active_actions"].item() == actions
@@ -95,7 +96,7 @@ def test_answer_weight_by_hand():
 @pytest.mark.parametrize("gate", ["action", "response", "token"])
 def test_zero_when_policy_equals_old(gate):
     logp = torch.randn(4, 12, dtype=torch.float64).neg().abs().neg().requires_grad_()
-    loss, diag = obj.llds_penalty(logp, logp.detach().clone(), ADV, MASK, ACTION, gate)
+    loss, diag = obj.llds_penalty(logp, logp.detach().clone(), ADV, MASK, ACTION, N_PRESERVING, gate)
     loss.backward()
     assert loss.item() == 0.0
     assert diag["active_tokens"].item() == 0
@@ -134,7 +135,7 @@ def test_gradient_through_a_model_is_the_nll_of_active_tokens():
         return torch.log_softmax(head(x), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
     old = token_logp().detach() + D  # d = old - logp = D at the current weights
-    loss, diag = obj.llds_penalty(token_logp(), old, ADV, MASK, ACTION, "action")
+    loss, diag = obj.llds_penalty(token_logp(), old, ADV, MASK, ACTION, N_PRESERVING, "action")
     (lam * loss).backward()
     got = [p.grad.clone() for p in head.parameters()]
     head.zero_grad()
@@ -150,7 +151,7 @@ def test_bad_options_name_the_value():
     with pytest.raises(ValueError, match="'row'"):
         _penalty("row")
     with pytest.raises(ValueError, match="'every'"):
-        _penalty("action", normaliser="every")
+        LLDS(normaliser="every")
     with pytest.raises(ValueError, match="LLDS.gate"):
         LLDS(gate="sequence")
     with pytest.raises(ValueError, match="LLDS.answer_masking"):
@@ -180,7 +181,7 @@ def _rollout(num_searches: list[int]) -> Trajectory:
     )
 
 
-def _ctx(rollout: Trajectory, update_index: int = 1) -> LossContext:
+def _ctx(rollout: Trajectory, update_index: int = 1, totals: Totals = Totals(N_ALL, 3, N_PRESERVING)) -> LossContext:
     logp = torch.full(D.shape, -1.0, dtype=torch.float64, requires_grad=True)
     return LossContext(
         logp=logp,
@@ -191,39 +192,48 @@ def _ctx(rollout: Trajectory, update_index: int = 1) -> LossContext:
         action_id=ACTION,
         answer_mask=ANSWER,
         num_searches=rollout.num_searches,
-        rollout=rollout,
+        totals=totals,
+        mean_valid_searches=mean_valid_searches(rollout),
         update_index=update_index,
     )
 
 
 @pytest.mark.parametrize(
-    "masking, beta",
-    [("off", 1.0), ("fixed", 0.3), ("paper", 0.75), ("official", 0.5)],  # V = (0+1+2+3)/4 = 1.5
+    "masking, answer_coef, beta",
+    # V = (0+1+2+3)/4 = 1.5; official: min(answer_coef * 0.5, 0.2) / 0.2
+    [("off", None, 1.0), ("fixed", None, 0.3), ("paper", None, 0.75), ("official", None, 0.5), ("official", 0.1, 0.25),
+     ("official", 0.8, 1.0)],
 )
-def test_callback_answer_masking_beta(masking, beta):
-    cb = LLDS(coef=0.2, answer_masking=masking, answer_beta=0.3)
+def test_callback_answer_masking_beta(masking, answer_coef, beta):
+    cb = LLDS(coef=0.2, answer_masking=masking, answer_beta=0.3, answer_coef=answer_coef)
     rollout = _rollout([0, 1, 2, 3])
     ctx = _ctx(rollout)
     term = cb.loss_term(ctx)
     weight = torch.ones(D.shape, dtype=torch.float64).masked_fill(ANSWER, beta)
-    want, diag = obj.llds_penalty(ctx.logp, ctx.old_logp, ADV, MASK, ACTION, "action", "preserving", weight)
+    want, diag = obj.llds_penalty(ctx.logp, ctx.old_logp, ADV, MASK, ACTION, N_PRESERVING, "action", weight)
     assert term.item() == pytest.approx(0.2 * want.item(), abs=1e-12)
-    assert ctx.metrics["llds/beta"] == pytest.approx(beta)
+    assert cb.last_beta == pytest.approx(beta)
     assert ctx.metrics["llds/loss"] == pytest.approx(want.item())
     assert ctx.metrics["llds/active_tokens"] == diag["active_tokens"].item()
     assert ctx.metrics["llds/active_actions"] == diag["active_actions"].item()
 
 
-def test_callback_beta_uses_the_whole_rollout_batch():
-    # The micro-batch's own searches (all 0) must not matter: V comes from ctx.rollout (mean 4 -> beta 1).
-    cb = LLDS(answer_masking="paper")
-    ctx = _ctx(_rollout([4, 4, 4, 4]))
-    ctx.num_searches = torch.zeros(4, dtype=torch.long)
-    cb.loss_term(ctx)
-    assert ctx.metrics["llds/beta"] == 1.0
-    ctx2 = _ctx(_rollout([1, 1, 1, 1]))  # a new rollout batch: recomputed (min(1/2, 1))
-    cb.loss_term(ctx2)
-    assert ctx2.metrics["llds/beta"] == 0.5
+def test_official_beta_by_hand():
+    # answer tokens get min(lambda_ans * max(V-1, 0), lambda) instead of lambda (official code).
+    assert obj.answer_weight_beta(3.0, "official", coef=0.2, answer_coef=0.1) == pytest.approx(1.0)
+    assert obj.answer_weight_beta(2.0, "official", coef=0.2, answer_coef=0.1) == pytest.approx(0.5)
+    assert obj.answer_weight_beta(0.5, "official", coef=0.2, answer_coef=0.1) == 0.0
+    assert obj.answer_weight_beta(1.7, "official", coef=0.3) == pytest.approx(0.7)  # lambda_ans = lambda: clip(V-1, 0, 1)
+    assert obj.answer_weight_beta(1.0, "paper") == 0.5
+
+
+def test_normaliser_is_the_mini_batch_total_from_the_context():
+    # These 4 rows as part of a larger mini-batch: the term divides by the mini-batch's totals.
+    totals = Totals(tokens=2 * N_ALL, rows=6, preserving_tokens=2 * N_PRESERVING)
+    for normaliser, n in (("preserving", totals.preserving_tokens), ("all", totals.tokens)):
+        ctx = _ctx(_rollout([1, 1, 1, 1]), totals=totals)
+        term = LLDS(coef=1.0, normaliser=normaliser).loss_term(ctx)
+        assert term.item() == pytest.approx(HAND["action"][0] / n, abs=1e-12)
 
 
 def test_callback_skips_the_on_policy_update():

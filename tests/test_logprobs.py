@@ -86,7 +86,7 @@ def test_sampled_logprobs_equal_recomputed_on_real_rollouts(tiny_policy, bm25, p
 
 
 def test_greedy_tokens_are_argmax_of_full_recompute(tiny_policy, bm25, protocol_examples):
-    """Greedy decoding through the growing cache, holes and mid-turn compaction picks, at every
+    """Greedy decoding through the ragged cache, continuous batching and compaction picks, at every
     model token, the argmax of a from-scratch forward over the same context."""
     model, tok = tiny_policy
     engine, traj = _rollouts(model, tok, bm25, protocol_examples, True, greedy=True, group_size=2, max_turns=1)
@@ -158,13 +158,45 @@ def test_packed_micro_batches_give_the_whole_batch_gradient(fixed_rollout, aggre
 
 def test_token_packing_groups_rows_by_length(fixed_rollout):
     from lldslight.module import GRPOModule
+    from lldslight.update import micro_batches
 
     module = GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=100)
     rows = torch.arange(len(fixed_rollout))
-    batches = module._micro_batches(fixed_rollout, rows)
+    batches = micro_batches(module, fixed_rollout, rows)
     lengths = fixed_rollout.attention_mask.sum(-1)
     assert sorted(torch.cat(batches).tolist()) == rows.tolist()  # every row exactly once
     for b in batches:
         assert len(b) == 1 or len(b) * int(lengths[b].max()) <= 100
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=0)
+
+
+def test_logged_entropy_is_computed_once_not_again_in_the_checkpointed_backward(tiny_policy):
+    """The entropy is logged on every training forward; with no entropy bonus it has no graph,
+    and the backward, which recomputes each checkpointed chunk of the vocabulary projection, must
+    not compute it again (nor rely on checkpointing's early stop to skip it). Counted as the
+    softmax exponentials the entropy needs (log_softmax's own backward uses none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    class CountExp(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.exp.default:
+                CountExp.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model, tok = tiny_policy
+    model.train()
+    ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with set_checkpoint_early_stop(False), CountExp():
+        logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), mask, chunk_size=7, with_entropy=True, entropy_grad=False)
+        forward = CountExp.calls
+        logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    chunks = -(-int(mask[:, 1:].sum()) // 7)
+    assert forward == chunks and entropy[:, 1:].gt(0).all()  # once per chunk, on every token
+    assert CountExp.calls == forward, f"the backward computed the entropy again ({CountExp.calls - forward} more exp calls)"

@@ -49,6 +49,38 @@ def test_delta_matches_a_fresh_forward(run) -> None:
     assert monitor.last_metrics["lld/logp_pos"] == pytest.approx(diag.token_mean(traj.old_logp, pos_tokens))
 
 
+def test_gate_open_rate_and_tool_calls_match_a_hand_count(run) -> None:
+    """lld/gate_open_actions: of the actions of A >= 0 responses, the share whose summed log-prob fell
+    during the step, counted here action by action in Python from a fresh forward."""
+    import torch
+
+    module, monitor = run["module"], run["monitor"]
+    traj = module.last_rollout
+    rows = (traj.advantage >= 0).nonzero()[:, 0].tolist()
+    assert rows, "no A >= 0 row: the check would be vacuous"
+    sub = traj.select(rows)
+    with torch.no_grad():
+        after = module._batch_logprobs(sub, reference=False)
+    opened = actions = fell_rows = 0
+    for b in range(len(sub)):
+        per_action: dict[int, float] = {}
+        for t in range(sub.input_ids.shape[1]):
+            if sub.loss_mask[b, t]:
+                a = int(sub.action_id[b, t])
+                per_action[a] = per_action.get(a, 0.0) + float(sub.old_logp[b, t] - after[b, t])
+        actions += len(per_action)
+        opened += sum(v > 0 for v in per_action.values())
+        fell_rows += sum(per_action.values()) > 0
+    assert monitor.last_metrics["lld/gate_open_actions"] == pytest.approx(opened / actions, abs=1e-6)
+    assert monitor.last_metrics["lld/gate_open_responses"] == pytest.approx(fell_rows / len(sub), abs=1e-6)
+    searched = sum(int(n) > 0 for n in traj.num_searches)
+    assert monitor.last_metrics["diag/tool_call_rate"] == pytest.approx(searched / len(traj))
+    assert monitor.last_metrics["diag/searches_per_action"] == pytest.approx(float(traj.num_searches.sum() / traj.num_actions.sum()))
+    frame = pd.read_csv(run["run_dir"] / "metrics.csv")
+    for column in ("lld/gate_open_actions", "lld/gate_open_responses", "diag/tool_call_rate", "diag/p_eos"):
+        assert column in frame.columns, column
+
+
 def test_monitor_writes_plot_at_end_of_fit(run) -> None:
     png = run["run_dir"] / "lld.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,11 +39,28 @@ def test_clipped_surrogate_picks_pessimistic_branch():
 def test_aggregation_modes():
     loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [10.0, 0.0, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
-    assert obj.aggregate(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 3 + 10) / 4)
+    assert obj.aggregate(loss, mask, "token-mean", 4).item() == pytest.approx((1 + 2 + 3 + 10) / 4)
     # per sequence: 2.0 and 10.0; the empty third row does not count
-    assert obj.aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(6.0)
+    assert obj.aggregate(loss, mask, "seq-mean-token-mean", 2).item() == pytest.approx(6.0)
+    # The normaliser is the mini-batch's: these rows as half of a mini-batch of 8 tokens / 4 rows.
+    assert obj.aggregate(loss, mask, "token-mean", 8).item() == pytest.approx(16 / 8)
+    assert obj.aggregate(loss, mask, "seq-mean-token-mean", 4).item() == pytest.approx(12 / 4)
     with pytest.raises(ValueError, match="aggregation"):
-        obj.aggregate(loss, mask, "sum")
+        obj.aggregate(loss, mask, "sum", 1)
+
+
+def test_ratio_clamp_caps_the_ratio_before_the_clip():
+    """The official LLDS code caps gamma at 100: A < 0 with gamma = e^6 ~ 403 costs 100|A|, not
+    403|A|, and the capped token gets no gradient."""
+    logp = torch.tensor([[6.0, 0.1]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    loss, ratio, _ = obj.clipped_surrogate(logp, old, torch.tensor([-2.0]), ratio_clamp=100.0)
+    assert loss.tolist()[0] == pytest.approx([200.0, 2 * math.exp(0.1)], rel=1e-6)
+    assert ratio[0, 0].item() == pytest.approx(math.exp(6.0))  # the ratio itself is reported uncapped
+    loss.sum().backward()
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(2 * math.exp(0.1), rel=1e-6)
+    free, _, _ = obj.clipped_surrogate(logp.detach(), old, torch.tensor([-2.0]))
+    assert free[0, 0].item() == pytest.approx(2 * math.exp(6.0), rel=1e-6)
 
 
 def test_kl_estimators():

@@ -39,6 +39,22 @@ def test_overlay_of_two_runs_with_phases(run_dir, tmp_path) -> None:
     assert read_run(other).index.tolist() == [0, 1]
 
 
+def test_diagnostic_panels_appear_when_a_run_logged_them(run_dir, tmp_path) -> None:
+    from lldslight.plots import panels_for
+
+    frame = read_run(run_dir)
+    assert [name for name, _ in panels_for([frame])][-1] == "share"  # tool calls, gate open rate, tied groups
+    names = lambda frames: [name.split("\n")[0] for name, _ in panels_for(frames)]  # noqa: E731
+    assert "control-token prob." not in names([frame.assign(**{"diag/p_eos": float("nan")})])
+    with_tags = frame.assign(**{"diag/p_eos": 0.9, "diag/p_search_open": 0.2})
+    assert "control-token prob." in names([frame, with_tags])
+    bare = frame.drop(columns=[c for c in frame.columns if c.startswith("diag/") or c.startswith("lld/gate") or "zero_var" in c or "delta" in c])
+    assert names([bare]) == ["reward", "log-prob / token (pi_old)", "entropy", "grad norm (pre-clip)"]
+    out = tmp_path / "tags.png"
+    with_tags.reset_index().to_csv(tmp_path / "metrics.csv", index=False)
+    assert plot_runs([tmp_path], out).read_bytes()[:8] == PNG
+
+
 def test_phase_spans_merge_contiguous_steps() -> None:
     assert phase_spans([0, 1, 2, 3, 4, 5], [1, 2, 2, 3, float("nan"), 2]) == [(0.5, 2.5, 2), (2.5, 3.5, 3), (4.5, 5.5, 2)]
 

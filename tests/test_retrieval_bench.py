@@ -38,12 +38,13 @@ def test_flop_per_token_counts_encoder_linears_and_attention(bench):
 
 def test_small_bm25_run_writes_the_documented_json(bench, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--synthetic", "400", "--retrievers", "bm25", "--requests", "16", "--rounds", "2",
+    assert bench.main(["--synthetic", "400", "--retrievers", "bm25", "--requests", "16", "--rounds", "2", "--no-repeat",
                        "--work", str(tmp_path / "work"), "--json", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())["results"][0]
     assert res["retriever"] == "bm25" and res["passages"] == 400 and res["build_pps"] > 0
     for key in ("inproc_b1", "inproc_b8", "inproc_b64", "server_b1", "server_b64"):
         assert res[key]["qps"] > 0 and res[key]["calls"] >= 2, key
+        assert res[key]["busy_blocks"] in (0, 1, 2) and res[key]["max_other_cores"] >= 0, key  # load recorded per block
     c = res["concurrency"]
     assert len(c["ratios"]) == 2 and c["concurrent_qps"] > 0 and c["sequential_qps"] > 0
     assert 1.0 <= c["queries_per_search"] <= 8.0  # the server's own counters, 8 one-query clients

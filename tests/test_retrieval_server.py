@@ -1,5 +1,7 @@
 """The Search-R1-compatible server and the HttpRetriever client, on real sockets (127.0.0.1)."""
 import json
+import re
+import socket
 import threading
 import time
 import urllib.error
@@ -97,7 +99,7 @@ def test_response_bytes_match_fastapi_json(server):
         ({"query": 5}, 422, "'query' must be a string"),
         ({"queries": ["a"], "query": "b"}, 422, "not both"),
         ({"queries": ["a"], "topk": "3"}, 422, "'topk' must be an integer"),
-        ({"queries": ["a"], "topk": 0}, 422, "between 1 and max_topk=5"),
+        ({"queries": ["a"], "topk": -1}, 422, "between 1 and max_topk=5 (0 or null: the default, 3), got -1"),
         ({"queries": ["a"], "topk": 6}, 422, "between 1 and max_topk=5"),
         ({"queries": ["a"], "return_scores": "yes"}, 422, "'return_scores' must be a boolean"),
         ({"queries": ["q"] * 9}, 413, "max_queries=8"),
@@ -201,3 +203,151 @@ def test_serve_main_in_a_subprocess(tmp_path, corpus):
         assert HttpRetriever(proc.url).search(["capital of France"], 1)[0][0].id == "d0"
         assert post(proc.url, {"queries": ["a"], "topk": 5})[0] == 422
     assert proc.proc.poll() is not None
+
+
+# ----------------------------------------------------------------------------- topk as Search-R1 reads it
+
+
+@pytest.mark.parametrize("topk", [0, None])
+def test_topk_zero_or_null_means_the_default(server, corpus, topk):
+    # Search-R1's server: `if not request.topk: request.topk = config.retrieval_topk`.
+    status, body = post(server.url, {"queries": ["capital city"], "topk": topk})
+    expected = BM25Retriever(str(corpus), show_progress=False).search(["capital city"], 3)[0]
+    assert status == 200 and len(expected) == 3
+    assert [d["id"] for d in body["result"][0]] == [p.id for p in expected]
+
+
+# ----------------------------------------------------------------------------- abuse, on raw sockets
+
+
+def send_raw(port, data, *, close=False):
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(data)
+    if close:
+        sock.close()
+        return None
+    return sock
+
+
+def http_post_bytes(body, content_length=None):
+    n = len(body) if content_length is None else content_length
+    head = f"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+    return head.encode() + body
+
+
+def read_response(sock, timeout):
+    """(status, headers, body) of one response, read until the server closes or the body is complete."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.fixture(scope="module")
+def abuse_server(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("abuse") / "idx"
+    assert index_main(["--corpus", str(corpus), "--out", str(out), "--quiet"]) == 0
+    with start_server_process(["--index", str(out), "--body-timeout", "1", "--log-level", "info"], timeout=120) as proc:
+        yield proc
+
+
+def port_of(proc):
+    return int(re.search(r":(\d+)/retrieve", proc.url).group(1))
+
+
+def wait_for_log(proc, pattern, count, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hits = [line for line in proc.log if re.search(pattern, line)]
+        if len(hits) >= count:
+            return hits
+        time.sleep(0.05)
+    return [line for line in proc.log if re.search(pattern, line)]
+
+
+def test_deeply_nested_json_is_a_400_not_a_traceback(abuse_server):
+    for body in (b"[" * 100_000, b'{"queries": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        sock = send_raw(port_of(abuse_server), http_post_bytes(body))
+        status, _, payload = read_response(sock, 30)
+        sock.close()
+        assert status == 400 and json.loads(payload) == {"detail": "malformed JSON body: nested too deeply to parse"}
+    assert HttpRetriever(abuse_server.url).search(["capital of Japan"], 1)[0][0].id == "d2"  # still serving
+    assert not any("Traceback" in line or "Exception in ASGI" in line for line in abuse_server.log)
+
+
+def test_client_gone_mid_body_is_one_log_line(abuse_server):
+    before = len(abuse_server.log)
+    for _ in range(3):
+        send_raw(port_of(abuse_server), http_post_bytes(b'{"queries": ["cap', content_length=200), close=True)
+    hits = wait_for_log(abuse_server, r"disconnected before sending its whole request", 3)
+    time.sleep(0.3)  # anything else the server would write about these requests
+    assert len(hits) == 3
+    new = abuse_server.log[before:]
+    assert len(new) == 3 and all(re.match(r"WARNING: +retrieval: 127\.0\.0\.1:\d+ disconnected", line) for line in new), new
+
+
+def test_half_sent_body_times_out_with_408(abuse_server):
+    sock = send_raw(port_of(abuse_server), http_post_bytes(b'{"queries": ["cap', content_length=200))
+    t0 = time.monotonic()
+    status, headers, payload = read_response(sock, 15)  # the old server held it forever
+    waited = time.monotonic() - t0
+    assert status == 408 and headers.get("connection") == "close"
+    assert json.loads(payload) == {"detail": "request body not received within body_timeout_s=1s"}
+    assert 0.9 <= waited < 10
+    assert sock.recv(1) == b""  # and closed the connection
+    sock.close()
+    assert wait_for_log(abuse_server, r"sent no complete body within body_timeout_s=1s; answered 408", 1)
+    assert HttpRetriever(abuse_server.url).search(["capital of Japan"], 1)[0][0].id == "d2"
+
+
+# ----------------------------------------------------------------------------- fairness
+
+
+class SlowBM25(BM25Retriever):
+    """Real BM25, plus 4 ms per query: a stand-in for an encoder whose cost grows with the batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+        self.first_call = threading.Event()
+
+    def search(self, queries, k):
+        self.calls.append(len(queries))
+        self.first_call.set()
+        time.sleep(0.004 * len(queries))
+        return super().search(queries, k)
+
+
+def test_a_small_request_is_not_stuck_behind_a_big_one(corpus):
+    retriever = SlowBM25(str(corpus), show_progress=False)
+    words = ["capital", "largest", "river", "mountain", "planet", "city", "Japan", "France"]
+    big = [f"{words[i % 8]} {words[(i // 8) % 8]}" for i in range(512)]
+    done = {}
+    with start_server(retriever, max_batch=32) as h:
+        def run(name, queries):
+            done[name] = (HttpRetriever(h.url, timeout=60, batch_size=512).search(queries, 2), time.monotonic())
+
+        t_big = threading.Thread(target=run, args=("big", big))
+        t0 = time.monotonic()
+        t_big.start()
+        assert retriever.first_call.wait(30)
+        t1 = time.monotonic()
+        run("small", ["highest mountain"])
+        t_big.join(60)
+    small_latency, big_latency = done["small"][1] - t1, done["big"][1] - t0
+    assert done["small"][1] < done["big"][1]
+    assert big_latency > 2.0 and small_latency < big_latency / 3, (small_latency, big_latency)
+    assert max(retriever.calls) <= 32 and sum(retriever.calls) == 513
+    assert done["small"][0][0][0].id == "d3"
+    # Served in 16+ chunks, the big request's answers are still the right ones, in order.
+    plain = BM25Retriever(str(corpus), show_progress=False).search(big, 2)
+    assert [[p.id for p in ps] for ps in done["big"][0]] == [[p.id for p in ps] for ps in plain]

@@ -39,3 +39,13 @@ def test_reward_callables():
     assert ExactMatchReward()("I think so.", ["Beijing"]) == 0.0
     assert ExactMatchReward(format_penalty=0.1)("no answer", ["x"]) == pytest.approx(-0.1)
     assert F1Reward()("<answer>new york city</answer>", ["New York"]) == pytest.approx(0.8)
+
+
+def test_a_plain_string_gold_is_one_answer():
+    """As Search-R1's em_check: a string is one gold answer, not a list of characters."""
+    assert exact_match("Paris", "Paris") == 1.0
+    assert exact_match("P", "Paris") == 0.0
+    assert f1_score("New York", "new york city") == pytest.approx(0.8)
+    assert f1_score("a", "abc") == 0.0
+    assert ExactMatchReward()("<answer> the Paris </answer>", "Paris") == 1.0
+    assert F1Reward()("<answer>New York</answer>", "New York City") == pytest.approx(0.8)

@@ -1,4 +1,7 @@
-"""Rollouts of real (tiny) models: mask invariants, token-in/token-out, the KV cache with holes."""
+"""Rollouts of real (tiny) models: mask invariants, token-in/token-out, the ragged KV cache,
+continuous batching, rewards from the model's own words."""
+import time
+
 import pytest
 import torch
 
@@ -78,7 +81,7 @@ def test_protocol_model_searches_and_answers(protocol_model, bm25, protocol_exam
 
 def test_greedy_cache_matches_full_recompute(protocol_model, bm25, protocol_examples):
     """Each greedy token must be the argmax of a from-scratch forward pass over its context: the
-    carried KV cache (prefix sharing, holes, dropped rows) changes nothing the model sees."""
+    carried KV cache (prefix sharing, ragged rows, dropped rows) changes nothing the model sees."""
     model, tok = protocol_model
     traj = _engine(tok, bm25, group_size=2, greedy=True, topk=1, max_new_tokens=24, max_obs_tokens=200, max_response_tokens=400).generate(model, protocol_examples)
     with torch.no_grad():
@@ -114,7 +117,7 @@ def test_retriever_result_count_is_checked(tiny_policy, protocol_examples, proto
 def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
     """Sampling folds LoRA into the base weights; the outputs must match the adapter path and the
     frozen base (and so the reference policy) must come back bit for bit."""
-    from lldslight.rollout import _lora_folded
+    from lldslight.policy import sampling_weights
 
     model, _ = tiny_policy
     model.eval()
@@ -127,7 +130,7 @@ def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
     ids = torch.randint(0, 1000, (2, 12))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-        with _lora_folded(model):
+        with sampling_weights(model):
             folded = model(input_ids=ids).logits
         after = model(input_ids=ids).logits
     assert torch.allclose(folded, expected, atol=1e-5)
@@ -138,3 +141,176 @@ def test_lora_folding_is_exact_and_restores_weights(tiny_policy):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.zero_()
+
+
+# -- the reward sees only the model's own words -----------------------------------------------------
+
+
+class _Recording:
+    """A plug-in reward that keeps what it was given."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __call__(self, response, golden_answers):
+        self.seen.append(response)
+        return self.inner(response, golden_answers)
+
+
+def test_invalid_action_without_answer_scores_nothing(tiny_policy, bm25, protocol_examples):
+    """The invalid-action message says "<answer> and </answer>": a rollout that made an invalid
+    action and never answered must get EM 0, F1 0 (not 0.5 against "Simon and Garfunkel") and
+    the format penalty."""
+    import dataclasses
+
+    from lldslight.rewards import F1Reward
+
+    model, tok = tiny_policy
+    examples = [dataclasses.replace(e, golden_answers=["Simon and Garfunkel"]) for e in protocol_examples]
+    cfg = dict(group_size=3, max_turns=1, max_new_tokens=12, max_response_tokens=120)
+    for reward, expected in ((F1Reward(), 0.0), (ExactMatchReward(format_penalty=0.1), -0.1)):
+        torch.manual_seed(4)
+        recorder = _Recording(reward)
+        engine = RolloutEngine(tok, bm25, recorder, RolloutConfig(**dict(cfg, topk=1, max_obs_tokens=80)))
+        traj = engine.generate(model, examples)
+        assert (traj.num_invalid > 0).sum() >= 3, "the random model should make invalid actions"
+        assert any(INVALID_ACTION.strip() in r for r in traj.responses)  # the message is in the context
+        assert traj.reward.tolist() == pytest.approx([expected] * len(traj))
+        assert traj.em.tolist() == [0.0] * len(traj) and traj.f1.tolist() == [0.0] * len(traj)
+        assert not any("<answer>" in t and "</answer>" in t for t in recorder.seen), "the random model never answers"
+        for seen, b in zip(recorder.seen, range(len(traj))):
+            assert "My previous action is invalid" not in seen and "<information>" not in seen
+            assert seen == "".join(tok.decode(ids, skip_special_tokens=True) for ids in _actions(traj, b))
+
+
+def _actions(traj, b):
+    ids, acts = traj.input_ids[b].tolist(), traj.action_id[b].tolist()
+    return [[t for t, a in zip(ids, acts) if a == k] for k in range(int(traj.num_actions[b]))]
+
+
+def test_a_passage_holding_an_answer_tag_never_counts(protocol_model, protocol_examples, synth_kb, tmp_path):
+    """A retrieved passage that contains "<answer> GOLD </answer>" is the environment's text, not the
+    model's: a rollout that ends right after reading it (response budget) scores 0."""
+    import json
+
+    from lldslight.retrieval import BM25Retriever
+
+    model, tok = protocol_model
+    golds = {e.golden_answers[0] for e in protocol_examples}
+    lines = []
+    for line in open(synth_kb["corpus"]):
+        doc = json.loads(line)
+        hit = [g for g in golds if g in doc["contents"]]
+        if hit:  # the tagged gold right after the title, inside the observation's first tokens
+            title, _, body = doc["contents"].partition("\n")
+            doc["contents"] = f"{title}\n<answer> {hit[0]} </answer> {body}"
+        lines.append(json.dumps(doc))
+    corpus = tmp_path / "tagged.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    retriever = BM25Retriever(corpus=str(corpus), show_progress=False)
+    engine = _engine(tok, retriever, group_size=1, greedy=True, topk=1, max_turns=2, max_new_tokens=24, max_obs_tokens=200, max_response_tokens=60)
+    traj = engine.generate(model, protocol_examples)
+    tagged = [b for b in range(len(traj)) if f"<answer> {traj.golden_answers[b][0]} </answer>" in traj.responses[b]]
+    assert tagged, "the observation should carry the tagged gold answer"
+    for b in tagged:
+        assert traj.finish_reason[b] == "length" and int(traj.num_searches[b]) == 1
+        assert float(traj.reward[b]) == 0.0 and float(traj.em[b]) == 0.0 and float(traj.f1[b]) == 0.0
+        assert not traj.answer_mask[b].any()
+
+
+# -- continuous batching: no row waits for another, and none is changed by the others -----------------
+
+
+class _Slow:
+    """A real retriever that takes its time: ``delay(queries)`` seconds per call."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay, self.calls = inner, delay, []
+
+    def search(self, queries, k):
+        self.calls.append(list(queries))
+        time.sleep(self.delay(queries))
+        return self.inner.search(queries, k)
+
+
+def test_rows_in_different_phases_equal_one_row_at_a_time(protocol_model, bm25, protocol_examples, synth_kb):
+    """Greedy rows that decode while others wait on a slow retrieval or prefill their observation
+    produce exactly the tokens (and the log-probs, to float precision) each produces alone."""
+    from lldslight.data.formats import load_examples
+
+    model, tok = protocol_model
+    seen = {e.question for e in protocol_examples}
+    extra = [e for e in load_examples(synth_kb["train_jsonl"]) if e.question not in seen][:3]  # unseen: other paths
+    examples = list(protocol_examples) + extra
+    kw = dict(group_size=1, greedy=True, topk=1, max_turns=2, max_new_tokens=24, max_obs_tokens=120, max_response_tokens=400)
+    alone = [_engine(tok, bm25, **kw).generate(model, [e]) for e in examples]
+    slow_query = alone[0].model_texts[0].split("<search>")[1].split("</search>")[0].strip()
+    slow = _Slow(bm25, lambda qs: 1.5 if slow_query in qs else 0.0)
+    engine = _engine(tok, slow, **kw)
+    traj = engine.generate(model, examples)
+    _check_masks(traj, tok)
+    assert engine.stats["overlap_steps"] > 0, "rows should have decoded while a retrieval was in flight"
+    assert len(slow.calls) >= 2, "rows should have been retrieved for at different times"
+    for b, one in enumerate(alone):
+        assert traj.extras["sampled_ids"][b] == one.extras["sampled_ids"][0], b
+        assert traj.finish_reason[b] == one.finish_reason[0] and int(traj.num_searches[b]) == int(one.num_searches[0])
+        mine, theirs = traj.sample_logp[b][traj.loss_mask[b]], one.sample_logp[0][one.loss_mask[0]]
+        assert torch.allclose(mine, theirs, atol=1e-4), (mine - theirs).abs().max()
+    assert {r for r in traj.finish_reason} >= {"answer"}
+
+
+def test_sampling_does_not_depend_on_scheduling(protocol_model, bm25, protocol_examples):
+    """Each row draws from its own random stream: a slow retriever with random delays reorders when
+    rows decode, prefill and search, and every sampled token stays the same."""
+    import random
+
+    model, tok = protocol_model
+    kw = dict(group_size=3, topk=1, max_turns=2, max_new_tokens=24, max_obs_tokens=120, max_response_tokens=400)
+    torch.manual_seed(5)
+    fast = _engine(tok, bm25, **kw).generate(model, protocol_examples)
+    rng = random.Random(0)
+    slow = _Slow(bm25, lambda qs: rng.choice([0.0, 0.3, 0.8]))
+    torch.manual_seed(5)
+    engine = _engine(tok, slow, **kw)
+    again = engine.generate(model, protocol_examples)
+    assert int(fast.num_searches.sum()) >= 3 and len(slow.calls) >= 2
+    assert engine.stats["overlap_steps"] > 0, "the delays should have reordered the rows' work"
+    assert again.extras["sampled_ids"] == fast.extras["sampled_ids"]
+    assert torch.allclose(again.sample_logp, fast.sample_logp, atol=1e-4)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution(tiny_policy):
+    """Frequencies of the engine's sampler against torch.softmax (independent), with temperature,
+    top-k and top-p: filtered tokens are never drawn, the rest in proportion."""
+    _, tok = tiny_policy
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(40000, 1)
+    for kw in ({}, {"temperature": 0.5}, {"top_k": 3}, {"top_p": 0.8, "temperature": 2.0}):
+        engine = RolloutEngine(tok, None, ExactMatchReward(), RolloutConfig(**kw))
+        torch.manual_seed(0)
+        tokens, logp = engine._sample(logits.clone(), torch.rand(len(logits), dtype=torch.float64))
+        scaled = logits[0] / kw.get("temperature", 1.0)
+        probs = torch.softmax(scaled, -1)
+        assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)  # log-probs of the unfiltered softmax
+        allowed = torch.ones(6, dtype=torch.bool)
+        if "top_k" in kw:
+            allowed[kw["top_k"]:] = False
+        if "top_p" in kw:  # the smallest prefix of the sorted probabilities reaching top_p
+            allowed = torch.cat([torch.tensor([True]), probs.cumsum(-1)[:-1] < kw["top_p"]])
+        target = torch.where(allowed, probs, 0.0)
+        target = target / target.sum()
+        freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+        assert torch.allclose(freq, target, atol=0.01), (kw, freq, target)
+        assert freq[~allowed].sum() == 0
+
+
+def test_attention_without_custom_masks_is_refused(tiny_policy, bm25, protocol_examples):
+    """The ragged cache needs 4-D masks: an attention that cannot take them is named, not misused."""
+    model, tok = tiny_policy
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="flash_attention_2"):
+            _engine(tok, bm25).generate(model, protocol_examples)
+    finally:
+        config._attn_implementation = before

@@ -63,21 +63,54 @@ def test_encoding_matches_the_rollout_layout(synth_kb, bm25, tiny_policy):
     cfg = GoldConfig(topk=3, max_obs_tokens=20, max_searches=1)
     example = _one_hop(examples)[0]
     pieces = gold_turns(example, bm25, cfg)
-    ids, mask = encode_gold(example, pieces, tok, cfg)
+    layout = encode_gold(example, pieces, tok, cfg)
     prompt = prompt_token_ids(tok, example.messages)
     search = tok(pieces[0][0], add_special_tokens=False)["input_ids"]
     answer = tok(pieces[2][0], add_special_tokens=False)["input_ids"]
     obs = tok(pieces[1][0], add_special_tokens=False)["input_ids"][:20]
-    assert ids == prompt + search + obs + answer
-    assert mask == [0] * len(prompt) + [1] * len(search) + [0] * len(obs) + [1] * len(answer)
+    assert layout.prompt == prompt
+    assert layout.segments == [(search, 0), (obs, -1), (answer, 1)]
+    packed = pad_batch([layout], tok.pad_token_id)
+    assert packed["input_ids"][0].tolist() == prompt + search + obs + answer
+    assert packed["loss_mask"][0].tolist() == [False] * len(prompt) + [True] * len(search) + [False] * len(obs) + [True] * len(answer)
+    assert packed["action_id"][0].tolist() == [-1] * len(prompt) + [0] * len(search) + [-1] * len(obs) + [1] * len(answer)
 
     rows, stats = build_gold_set(examples, bm25, tok, cfg)
     assert stats["kept"] == len(rows) == stats["examples"] - stats["too_many_searches"] - stats["answer_not_retrieved"]
     assert stats["too_many_searches"] > 0  # 2-hop and comparison questions need two searches
     batch = pad_batch(rows, tok.pad_token_id)
-    lengths = torch.tensor([len(r[0]) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
     assert torch.equal(batch["attention_mask"].sum(-1), lengths)
-    assert batch["loss_mask"].sum() == sum(sum(m) for _, m in rows)
+    assert batch["loss_mask"].sum() == sum(len(ids) for r in rows for ids in r.actions())
+
+
+def test_gold_layout_is_what_the_rollout_samples(protocol_model, protocol_examples, bm25):
+    """The warm start and the rollout share one packer: where the protocol model (trained on these
+    gold trajectories) writes the gold actions, its greedy rollout packs into the gold's tensors,
+    position for position (prompt, observation cut, masks, action ids)."""
+    from lldslight.rewards import ExactMatchReward
+    from lldslight.rollout import RolloutConfig, RolloutEngine
+    from lldslight.sft import GoldConfig, build_gold_set, pad_batch
+
+    model, tok = protocol_model
+    gold_cfg = GoldConfig(topk=1, max_searches=1, end_with_eos=True)
+    gold, _ = build_gold_set(protocol_examples, bm25, tok, gold_cfg)
+    for layout in gold:  # the rollout stops at </answer>: the EOS the gold appends is never sampled
+        layout.segments[-1][0].pop()
+    engine = RolloutEngine(tok, bm25, ExactMatchReward(), RolloutConfig(group_size=1, greedy=True, topk=1, max_turns=1, max_new_tokens=24, max_obs_tokens=gold_cfg.max_obs_tokens, max_response_tokens=600))
+    traj = engine.generate(model, protocol_examples)
+    same = [b for b in range(len(gold)) if gold[b].actions() == _actions(traj, b)]
+    assert same, "the fixture model should reproduce at least one gold trajectory"
+    packed = pad_batch([gold[b] for b in same], tok.pad_token_id)
+    rollout = traj.select(same)
+    for key in ("input_ids", "attention_mask", "loss_mask", "action_id", "prompt_len"):
+        assert torch.equal(getattr(rollout, key), packed[key]), key
+
+
+def _actions(traj, b):
+    """Row b's model tokens, one list per action."""
+    ids, acts = traj.input_ids[b].tolist(), traj.action_id[b].tolist()
+    return [[t for t, a in zip(ids, acts) if a == k] for k in range(int(traj.num_actions[b]))]
 
 
 def test_warm_start_learns_saves_and_loads(synth_kb, bm25, tmp_path):

@@ -1,8 +1,9 @@
 """Callbacks that compose a run in YAML: rollouts, the LLDS term, guards, diagnostics, summaries."""
+from lldslight.callbacks.dynamic_sampling import DynamicSampling
 from lldslight.callbacks.guard import GradientSpikeGuard
 from lldslight.callbacks.llds import LLDS
 from lldslight.callbacks.monitor import LLDMonitor
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.callbacks.summary import RunSummary
 
-__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard"]
+__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling"]

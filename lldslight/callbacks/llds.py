@@ -1,11 +1,14 @@
 """LLDS: adds lambda * L_LLDS to the GRPO loss (PAPER.md §4), as a callback composed in YAML.
 
-The formula is ``objectives.llds_penalty``; this file chooses its options, computes the LLDS-MA
-answer weight from the rollout batch, registers the loss term and logs its diagnostics.
+The formula is ``objectives.llds_penalty``; this file chooses its options, turns the rollout
+batch's V (computed once per rollout batch by update.py, over all ranks) into the LLDS-MA answer
+weight, registers the loss term and logs its diagnostics. "Official code" below is the authors'
+github.com/vengdeng/LLDS-On-Group-Relative-Policy-Optimization-Collapse-in-Search-R1
+(verl/workers/actor/dp_actor.py).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,17 +27,22 @@ class LLDS(pl.Callback):
         coef: lambda, the weight of L_LLDS in the loss (paper: 0.2; 0.3 for Qwen2.5-7B-Instruct).
         gate: "action" (paper's best: an action's tokens count when the action's total
             log-likelihood fell), "response" (the same over the whole response) or "token" (no gate).
-        normaliser: "preserving" (paper: divide by the model tokens of responses with A >= 0) or
-            "all" (official code: by every model token of the micro-batch).
-        answer_masking: LLDS-MA, the weight of the final <answer> span's tokens: "off" (1),
-            "fixed" (``answer_beta``), "paper" (min(V/2, 1)) or "official" (clip(V-1, 0, 1)), with
-            V the mean number of valid searches per trajectory of the rollout batch (all ranks).
-            YAML reads a bare ``off`` as false, which is accepted as "off".
+        normaliser: "preserving" (paper: divide by the model tokens of the mini-batch's responses
+            with A >= 0) or "all" (official code: by every model
+            token of the mini-batch; there it is a micro-batch mean).
+        answer_masking: LLDS-MA, the weight beta of the final <answer> span's tokens: "off" (1),
+            "fixed" (``answer_beta``), "paper" (min(V/2, 1), paper §LLDS-MA) or "official" (the
+            official code's ``mask_adaptive``: answer tokens get min(answer_coef * max(V-1, 0), coef)
+            instead of coef), with V the mean number of valid searches per trajectory of the
+            rollout batch (all ranks). YAML reads a bare ``off`` as false, which is accepted as "off".
         answer_beta: the weight used by answer_masking="fixed".
+        answer_coef: lambda_ans of answer_masking="official" (the official code's
+            ``answer_no_reduce_lambda``); None = ``coef``, which makes beta = clip(V-1, 0, 1).
         skip_on_policy: skip the first update of each rollout batch. It is on-policy, so the term is
             zero in exact arithmetic, but the separately computed old log-probs differ from the
             current ones by float noise, which would open gates at random and apply a full
-            -grad log p pull on about half of the preserved tokens. False computes it anyway.
+            -grad log p pull on about half of the preserved tokens. False computes it anyway (the
+            official code's behaviour).
     """
 
     def __init__(
@@ -44,6 +52,7 @@ class LLDS(pl.Callback):
         normaliser: obj.LLDSNormaliser = "preserving",
         answer_masking: Union[AnswerMasking, bool] = "off",
         answer_beta: float = 1.0,
+        answer_coef: Optional[float] = None,
         skip_on_policy: bool = True,
     ) -> None:
         if coef < 0:
@@ -60,14 +69,16 @@ class LLDS(pl.Callback):
             raise ValueError(f"LLDS.answer_masking must be 'off', 'fixed', 'paper' or 'official', got {answer_masking!r}")
         if not 0.0 <= answer_beta <= 1.0:
             raise ValueError(f"LLDS.answer_beta must be in [0, 1], got {answer_beta}")
+        if answer_coef is not None and answer_coef < 0:
+            raise ValueError(f"LLDS.answer_coef must be >= 0 or null, got {answer_coef}")
         self.coef = coef
         self.gate = gate
         self.normaliser = normaliser
         self.answer_masking = answer_masking
         self.answer_beta = answer_beta
+        self.answer_coef = answer_coef
         self.skip_on_policy = skip_on_policy
-        self._module: pl.LightningModule | None = None
-        self._beta_for: tuple[int, float] | None = None  # (id of the rollout batch, its beta)
+        self.last_beta: Optional[float] = None  # the beta of the last rollout batch the term ran on
 
     # -- wiring -------------------------------------------------------------------------------------
 
@@ -81,7 +92,6 @@ class LLDS(pl.Callback):
                 "(each appends its own LLDS callback)"
             )
         pl_module.add_loss_term("llds", self.loss_term)
-        self._module = pl_module
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         updates = int(pl_module.hparams.get("updates_per_rollout", 1))
@@ -92,47 +102,36 @@ class LLDS(pl.Callback):
                 "(the paper's recipe has 10 mini-batch updates per rollout batch)."
             )
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.last_beta = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.last_beta is not None:  # one value per rollout batch, the same on every rank
+            pl_module.log("llds/beta", self.last_beta, on_step=True, on_epoch=False, batch_size=1)
+
     # -- the term -------------------------------------------------------------------------------------
 
-    def beta(self, ctx) -> float:
-        """The answer-span weight for this rollout batch (1.0 when answer masking is off)."""
+    def beta(self, mean_valid_searches: float) -> float:
+        """The answer-span weight for a rollout batch with V = ``mean_valid_searches`` (1.0 when off)."""
         if self.answer_masking == "off":
             return 1.0
         if self.answer_masking == "fixed":
             return self.answer_beta
-        key = id(ctx.rollout)
-        if self._beta_for is None or self._beta_for[0] != key:
-            v = self._mean_valid_searches(ctx.rollout.num_searches)
-            self._beta_for = (key, obj.answer_weight_beta(v, self.answer_masking))
-        return self._beta_for[1]
-
-    def _mean_valid_searches(self, num_searches: Tensor) -> float:
-        stats = torch.stack([num_searches.float().sum(), torch.tensor(float(num_searches.numel()), device=num_searches.device)])
-        trainer = getattr(self._module, "_trainer", None)
-        if trainer is not None and trainer.world_size > 1:
-            # The batch is the global one; each rank holds an equal share, so this runs on all ranks.
-            stats = trainer.strategy.reduce(stats, reduce_op="sum")
-        return float(stats[0] / stats[1].clamp(min=1.0))
+        return obj.answer_weight_beta(mean_valid_searches, self.answer_masking, self.coef, self.answer_coef)
 
     def loss_term(self, ctx) -> Tensor:
         if self.skip_on_policy and ctx.update_index == 0:
             return ctx.logp.new_zeros(())
-        beta = self.beta(ctx)
+        beta = self.last_beta = self.beta(ctx.mean_valid_searches)
         weight = None
         if beta != 1.0:
             weight = torch.ones_like(ctx.logp, requires_grad=False).masked_fill(ctx.answer_mask.bool(), beta)
+        n = ctx.totals.preserving_tokens if self.normaliser == "preserving" else ctx.totals.tokens
         loss, diag = obj.llds_penalty(
-            ctx.logp,
-            ctx.old_logp,
-            ctx.advantage,
-            ctx.loss_mask,
-            ctx.action_id,
-            gate=self.gate,
-            normaliser=self.normaliser,
-            token_weight=weight,
+            ctx.logp, ctx.old_logp, ctx.advantage, ctx.loss_mask, ctx.action_id, n, gate=self.gate, token_weight=weight
         )
+        # This micro-batch's share of the mini-batch's L_LLDS, and counts: both add up.
         ctx.metrics["llds/loss"] = float(loss.detach())
         ctx.metrics["llds/active_actions"] = float(diag["active_actions"])
         ctx.metrics["llds/active_tokens"] = float(diag["active_tokens"])
-        ctx.metrics["llds/beta"] = beta
         return self.coef * loss

@@ -10,6 +10,18 @@ the gradient norm lead it. After every training step this callback logs, under `
 - lld/delta_correct: per-token mean of (log-prob after the step's updates - log-prob before) on
   the step's own correct responses (``correct_set``), measured by one extra no-grad forward over
   those rows only, in micro-batches. Negative = LLD observed directly;
+- lld/gate_open_actions, lld/gate_open_responses (``measure_gate``): over the preserving set
+  (responses with A >= 0, the set LLDS protects), the share of actions / responses whose summed
+  log-likelihood fell during the step (sum of log pi_old - log pi_after > 0): how often the LLDS
+  action / response gate opens, measured whether LLDS is on or not (the same extra forward, then
+  over the A >= 0 rows);
+- diag/p_search_open, diag/p_search_close, diag/p_answer_open, diag/p_answer_close, diag/p_eos: the
+  mean probability, under the sampling distribution (temperature applied, before top-k/top-p), of
+  each ``<search>``, ``</search>``, ``<answer>``, ``</answer>`` the model wrote (the joint
+  probability of the tokens that spell it) and of each EOS it sampled
+  (diagnostics.control_token_stats; from the sampler's own log-probs, no forward). Shifts in
+  control-token probabilities precede tool-use collapse;
+- diag/tool_call_rate (share of responses with >= 1 valid search) and diag/searches_per_action;
 - lld/logp_smooth, lld/slope, lld/phase (0 warm-up, 1 stagnation, 2 steady decay, 3 acceleration)
   and lld/warning (1 on the step decay turned into acceleration), from ``PhaseDetector``.
 Entropy, pre-clip grad norm, max ratio, zero-variance groups, searches and response length are
@@ -37,6 +49,7 @@ class LLDMonitor(pl.Callback):
 
     Args:
         measure_delta: run the extra no-grad forward that measures lld/delta_correct.
+        measure_gate: measure lld/gate_open_* on the A >= 0 rows (widens that forward to them).
         correct_set: which responses Delta is measured on: "positive_advantage" (A > 0, the ones
             GRPO pushes up; default) or "reward" (reward > 0, all-correct groups included).
         signal: the metric the phase detector smooths (any lld/* or train/* name).
@@ -53,6 +66,7 @@ class LLDMonitor(pl.Callback):
     def __init__(
         self,
         measure_delta: bool = True,
+        measure_gate: bool = True,
         correct_set: diag.CorrectSet = "positive_advantage",
         signal: str = "lld/logp_pos",
         phases: diag.PhaseConfig = diag.PhaseConfig(),
@@ -66,6 +80,7 @@ class LLDMonitor(pl.Callback):
         if correct_set not in ("positive_advantage", "reward"):
             raise ValueError(f"LLDMonitor.correct_set must be 'positive_advantage' or 'reward', got {correct_set!r}")
         self.measure_delta = measure_delta
+        self.measure_gate = measure_gate
         self.correct_set = correct_set
         self.signal = signal
         self.phases = phases
@@ -88,8 +103,11 @@ class LLDMonitor(pl.Callback):
         stats = diag.likelihood_stats(traj.old_logp, traj.loss_mask, traj.advantage, traj.action_id, traj.ref_logp)
         stats["lld/n_pos"] = (float((traj.advantage > 0).sum()), 1.0)
         stats["lld/n_neg"] = (float((traj.advantage < 0).sum()), 1.0)
-        if self.measure_delta:
-            stats["lld/delta_correct"] = self._delta(trainer, pl_module, traj)
+        stats.update(diag.tool_call_stats(traj.num_searches, traj.num_actions))
+        if traj.sample_logp is not None and getattr(pl_module, "tokenizer", None) is not None:
+            stats.update(self._control_tokens(pl_module.tokenizer, traj))
+        if self.measure_delta or self.measure_gate:
+            stats.update(self._after_step(trainer, pl_module, traj))
         metrics = {k: diag.finish(v) for k, v in self._reduce(trainer, stats).items()}
 
         step_metrics = getattr(pl_module, "last_step_metrics", {})
@@ -123,21 +141,45 @@ class LLDMonitor(pl.Callback):
         if update.warning:
             self._warn(trainer, step, update)
 
-    def _delta(self, trainer, pl_module, traj) -> diag.SumCount:
-        rows = diag.correct_rows(traj.advantage, traj.reward, self.correct_set).tolist()
+    def _after_step(self, trainer, pl_module, traj) -> dict[str, diag.SumCount]:
+        """lld/delta_correct and lld/gate_open_*: one no-grad forward with the updated weights over
+        the rows they need (correct rows, and the A >= 0 rows for the gate)."""
+        correct = set(diag.correct_rows(traj.advantage, traj.reward, self.correct_set).tolist()) if self.measure_delta else set()
+        preserving = set((traj.advantage >= 0).nonzero()[:, 0].tolist()) if self.measure_gate else set()
+        rows = sorted(correct | preserving)
         n = len(rows)
         if trainer.world_size > 1:
             # Sharded models need every rank in every forward: all ranks run the same number of
             # rows, padding with row 0 whose result is dropped.
             n_max = int(trainer.strategy.reduce(torch.tensor(float(n), device=pl_module.device), reduce_op="max"))
             rows = rows + [0] * (n_max - n)
+        out: dict[str, diag.SumCount] = {}
         if not rows:
-            return 0.0, 0.0
+            if self.measure_delta:
+                out["lld/delta_correct"] = (0.0, 0.0)
+            if self.measure_gate:
+                out.update({k: (0.0, 0.0) for k in ("lld/gate_open_actions", "lld/gate_open_responses")})
+            return out
         sub = traj.select(rows)
         after = pl_module._batch_logprobs(sub, reference=False)
-        mask = sub.loss_mask.clone()
-        mask[n:] = False
-        return diag.likelihood_delta(sub.old_logp, after, mask)
+
+        def tokens_of(members: set[int]):
+            keep = torch.tensor([i < n and r in members for i, r in enumerate(rows)], device=sub.loss_mask.device)
+            return sub.loss_mask & keep.unsqueeze(-1)
+
+        if self.measure_delta:
+            out["lld/delta_correct"] = diag.likelihood_delta(sub.old_logp, after, tokens_of(correct))
+        if self.measure_gate:
+            out.update(diag.gate_open_stats(sub.old_logp, after, tokens_of(preserving), sub.action_id))
+        return out
+
+    def _control_tokens(self, tokenizer, traj) -> dict[str, diag.SumCount]:
+        from lldslight.rollout import _eos_ids
+
+        def decode_tokens(ids: list[int]) -> list[str]:
+            return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        return diag.control_token_stats(traj.input_ids, traj.loss_mask, traj.action_id, traj.sample_logp, decode_tokens, _eos_ids(tokenizer))
 
     @staticmethod
     def _reduce(trainer, stats: dict[str, diag.SumCount]) -> dict[str, diag.SumCount]:

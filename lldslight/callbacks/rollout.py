@@ -6,9 +6,13 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from tqdm.auto import tqdm
 
-from lldslight.evaluation import gather_records, summarise, trajectory_records
+from lldslight import evaluation
+from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
+from lldslight.errors import ConfigError, require
+from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
 from lldslight.rollout import RolloutConfig, RolloutEngine
@@ -27,8 +31,12 @@ class SearchRollout(pl.Callback):
         rollout: sampling settings for training.
         eval_max_turns: search rounds in evaluation.
         eval_max_new_tokens: per-turn budget in evaluation (None = the training one).
-        eval_before_fit: evaluate the val split greedily before the first step (the "before" EM).
+        eval_before_fit: evaluate the val split greedily before the first step (the "before" EM;
+            skipped when a run resumes from a checkpoint, whose weights are already trained).
         eval_after_fit: evaluate the val split again when training ends (the "after" EM).
+        dynamic_sampling: keep only groups whose rewards differ and sample further prompts until the
+            batch is full of them (DAPO, arXiv 2503.14476; lldslight/callbacks/dynamic_sampling.py).
+            Off by default and in the paper recipes.
     """
 
     def __init__(
@@ -40,7 +48,10 @@ class SearchRollout(pl.Callback):
         eval_max_new_tokens: Optional[int] = None,
         eval_before_fit: bool = False,
         eval_after_fit: bool = False,
+        dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
     ) -> None:
+        require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
+        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
         self.config = rollout
@@ -53,6 +64,8 @@ class SearchRollout(pl.Callback):
         )
         self.eval_before_fit = eval_before_fit
         self.eval_after_fit = eval_after_fit
+        self.dynamic_sampling = dynamic_sampling
+        self._warned_short = False
         self._train_engine: Optional[RolloutEngine] = None
         self._eval_engine: Optional[RolloutEngine] = None
 
@@ -63,6 +76,11 @@ class SearchRollout(pl.Callback):
         return self._train_engine, self._eval_engine
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
+                    "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
+        # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
+        check_retriever(self.retriever, self.config.topk)
         hp = getattr(pl_module, "hparams", {})
         temp = hp.get("logprob_temperature", 1.0) if hasattr(hp, "get") else 1.0
         if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
@@ -71,13 +89,66 @@ class SearchRollout(pl.Callback):
                 "the first update is then not on-policy (ratio != 1); set them equal"
             )
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Here, not in setup: the DynamicSampling callback turns the option on in its own setup.
+        if not self.dynamic_sampling.enabled:
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "refill_prompts"):
+            raise ConfigError(
+                "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
+                f"to draw further prompts; got {type(datamodule).__name__}"
+            )
+
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
+        unavailable = getattr(self.retriever, "unavailable_count", None)
         t0 = time.perf_counter()
-        traj = engine.generate(pl_module.policy, batch)
+        if self.dynamic_sampling.enabled:
+            traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
+        else:
+            traj = engine.generate(pl_module.policy, batch)
+            retrieval_s = engine.stats.get("retrieval_s", 0.0)
         pl_module.timings["rollout_s"] = time.perf_counter() - t0
-        pl_module.timings["retrieval_s"] = engine.stats.get("retrieval_s", 0.0)
+        pl_module.timings["retrieval_s"] = retrieval_s
         pl_module.rollout_batch = traj
+        if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
+            pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
+                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+
+    def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
+        """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the
+        retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
+        datamodule = trainer.datamodule
+        retrieval = [0.0]
+
+        def generate(prompts):
+            traj = engine.generate(pl_module.policy, prompts)
+            retrieval[0] += engine.stats.get("retrieval_s", 0.0)
+            return traj
+
+        cfg = self.dynamic_sampling
+        result = sample_mixed_groups(generate, datamodule.refill_prompts, list(batch), cfg.max_rounds, pl_module.device)
+        if result.filled < 1.0 and not self._warned_short:
+            self._warned_short = True
+            what = (
+                f"only {result.kept_groups} of {len(batch)} groups per rank had mixed rewards; training on those"
+                if result.filled > 0
+                else "some rank found no group with mixed rewards; training on the first round as sampled"
+            )
+            pl.utilities.rank_zero_warn(
+                f"dynamic sampling at step {trainer.global_step}: after {cfg.max_rounds} extra rounds {what}. "
+                "Shown once; rollout/filled < 1 marks every such step (raise dynamic_sampling.max_rounds to sample more)."
+            )
+        counts = torch.tensor([float(result.kept_groups), float(result.sampled_groups - result.kept_groups)], device=pl_module.device)
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        pl_module.log_dict(
+            {"rollout/rounds": float(result.rounds), "rollout/kept_groups": float(counts[0]),
+             "rollout/dropped_groups": float(counts[1]), "rollout/filled": result.filled},
+            on_step=True, on_epoch=False, batch_size=len(result.traj), sync_dist=False,  # identical on every rank
+        )
+        return result.traj, retrieval[0]
 
     def _eval_batch(self, pl_module, batch: Any) -> None:
         _, engine = self._engines(pl_module)
@@ -91,37 +162,46 @@ class SearchRollout(pl.Callback):
 
     # -- before/after evaluation outside Lightning's loops (fit has no "validate first" mode) -----
 
-    def evaluate(self, trainer: pl.Trainer, pl_module) -> Optional[dict]:
+    def evaluate(self, trainer: pl.Trainer, pl_module, stage: str = "val") -> Optional[dict]:
+        """Greedy rollouts over the val split, finished like Lightning's validation (one path:
+        lldslight/evaluation.py): records gathered over ranks, summary, ``{stage}_stepN`` report.
+        Returns evaluation.finish's result, or None without a datamodule."""
         datamodule = trainer.datamodule
         if datamodule is None:
             return None
-        loader = datamodule.val_dataloader()
         _, engine = self._engines(pl_module)
         records = []
-        bar = tqdm(loader, desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
+        bar = tqdm(datamodule.val_dataloader(), desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
         for batch in bar:
-            traj = engine.generate(pl_module.policy, batch)
-            records.extend(trajectory_records(traj))
+            records.extend(evaluation.trajectory_records(engine.generate(pl_module.policy, batch)))
             bar.set_postfix(em=f"{sum(r['em'] for r in records) / len(records):.3f}")
-        return summarise(gather_records(records))
+        return evaluation.finish(records, stage, trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.eval_before_fit:
-            self._record(trainer, pl_module, "before")
+        if not self.eval_before_fit:
+            return
+        if trainer.global_step > 0:
+            # A resumed run: its weights are trained, so this would not be a "before" number.
+            if trainer.is_global_zero:
+                print(f"[lldslight] eval_before_fit skipped: resuming at step {trainer.global_step} "
+                      "(the before-training evaluation is in the first run's logs)", flush=True)
+            return
+        self._record(trainer, pl_module, "before")
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.eval_after_fit:
             self._record(trainer, pl_module, "after")
 
     def _record(self, trainer, pl_module, when: str) -> None:
-        summary = self.evaluate(trainer, pl_module)
-        if summary is None:
+        result = self.evaluate(trainer, pl_module, stage=f"val_{when}")
+        if result is None:
             return
+        summary = result["summary"]
         history = getattr(pl_module, "eval_history", {})
         history[when] = summary
         pl_module.eval_history = history
         for logger in trainer.loggers:
-            logger.log_metrics({f"val_{when}/em": summary["overall"]["em"], f"val_{when}/searches": summary["overall"]["searches"]}, step=trainer.global_step)
+            logger.log_metrics(evaluation.flat_metrics(summary, f"val_{when}"), step=trainer.global_step)
         if trainer.is_global_zero:
             o = summary["overall"]
             print(f"[lldslight] dev {when} training: EM {o['em']:.3f}  F1 {o['f1']:.3f}  searches/q {o['searches']:.2f}  answered {o['answered']:.2f}  (n={o['n']})")

@@ -11,10 +11,11 @@ from typing import Optional
 
 from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
 from lldslight.data.synth import synthesize
+from lldslight.errors import ArgumentParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lldslight data", description="Data tools.")
+    p = ArgumentParser(prog="lldslight data", description="Data tools.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("synth", help="generate the synthetic knowledge base (idempotent)")
     where = s.add_mutually_exclusive_group(required=True)
@@ -84,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         return _inspect(args.file, args.split)
     except (DataFormatError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"lldslight data: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,11 @@ its ``state_dict``, which Lightning stores in every checkpoint. After ``load_sta
 train sampler skips the consumed prompts of that epoch's permutation, so the next batch is the one
 the interrupted run would have trained on next. The train loader also declares itself resumable
 (``ResumableDataLoader``) so Lightning does not warn that a mid-epoch resume is unreliable.
+
+Refill stream (dynamic sampling, ``SearchRollout(dynamic_sampling=...)``): further training prompts
+drawn on demand by ``refill_prompts``, from their own shuffled order (seed, epoch and a stream tag,
+so it never shifts the main order) and with their own position, saved in ``state_dict`` beside
+the main one: a resumed run draws the same refill prompts it would have drawn.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lldslight.data.example import QAExample
 from lldslight.data.formats import load_examples
 from lldslight.data.synth import synthesize as synthesize_kb
+from lldslight.errors import ConfigError, MissingFileError
 
 
 @dataclass
@@ -61,6 +67,17 @@ class TrainPosition:
     epoch: int = 0
     start: int = 0
     batches: int = 0
+
+
+@dataclass
+class RefillPosition:
+    """Where the refill stream is: its epoch and the prompts (all ranks together) drawn from it."""
+
+    epoch: int = 0
+    drawn: int = 0
+
+
+_REFILL_STREAM = 1  # mixed into the refill order's seed: a different order from the main one
 
 
 class TrainSampler(DistributedSampler):
@@ -217,7 +234,7 @@ class SearchQADataModule(pl.LightningDataModule):
     ):
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) and eval_batch_size ({eval_batch_size}) must be >= 1")
+            raise ConfigError(f"data.batch_size ({batch_size}) and data.eval_batch_size ({eval_batch_size}) must be >= 1")
         if prompt_source not in ("template", "file"):
             raise ValueError(f"prompt_source must be 'template' or 'file', got {prompt_source!r}")
         self.files = {"train": list(train_files or []), "val": list(val_files or []), "test": list(test_files or [])}
@@ -236,6 +253,7 @@ class SearchQADataModule(pl.LightningDataModule):
         self._position = TrainPosition()
         self._restored: Optional[dict[str, Any]] = None
         self._train_world_size = 1
+        self._refill = RefillPosition()
 
     # ------------------------------------------------------------------ data
 
@@ -263,7 +281,7 @@ class SearchQADataModule(pl.LightningDataModule):
             missing = [m for m in missing if not Path(m[2]).exists()]
         if missing:
             lines = "\n".join(f"  {arg}[{i}]: {f}" for arg, i, f in missing)
-            raise FileNotFoundError(f"SearchQADataModule: data file(s) not found:\n{lines}")
+            raise MissingFileError(f"SearchQADataModule: data file(s) not found:\n{lines}")
 
         next_group = 0
         for split, _ in _SPLIT_ARGS:
@@ -295,7 +313,7 @@ class SearchQADataModule(pl.LightningDataModule):
         world_size, rank = self._world()
         n = len(self.train_examples)
         if n < self.batch_size * world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"train set has {n} examples, fewer than batch_size ({self.batch_size}) x world_size"
                 f" ({world_size}); no complete batch (train_files: {self.resolved_files()['train']})"
             )
@@ -309,6 +327,34 @@ class SearchQADataModule(pl.LightningDataModule):
             self.train_examples, batch_size=self.batch_size, sampler=sampler, drop_last=True,
             collate_fn=collate_examples,
         )
+
+    def refill_prompts(self, n: int) -> list[QAExample]:
+        """The next ``n`` training prompts of this rank's refill stream (dynamic sampling).
+
+        Every call takes the next ``n x world_size`` prompts of a per-epoch shuffled order (seeded
+        by (seed, epoch, 1), so it differs from the main order) and hands rank r its r-th slice of
+        ``n``: ranks get distinct prompts, and since every rank calls this the same number of times
+        with the same ``n``, one position describes all of them. When fewer than ``n x world_size``
+        prompts are left in the epoch's order, the stream moves on to its next epoch. Deterministic,
+        and resumed exactly from a checkpoint (``state_dict``).
+        """
+        self.setup("fit")
+        world_size, rank = self._world()
+        total, count = len(self.train_examples), n * world_size
+        if n < 1 or count > total:
+            raise ValueError(
+                f"refill_prompts({n}): need 1 <= n x world_size ({count}) <= the {total} training examples"
+            )
+        pos = self._refill
+        if pos.drawn + count > total:
+            pos.epoch, pos.drawn = pos.epoch + 1, 0
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, pos.epoch, _REFILL_STREAM]).permutation(total)
+        else:
+            order = np.arange(total)
+        start = pos.drawn + rank * n
+        pos.drawn += count
+        return [self.train_examples[int(i)] for i in order[start : start + n]]
 
     def _eval_loader(self, examples: list[QAExample]) -> DataLoader | list:
         if not examples:
@@ -343,11 +389,15 @@ class SearchQADataModule(pl.LightningDataModule):
             "num_train": len(self.train_examples) if self._loaded else -1,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "refill_epoch": self._refill.epoch,
+            "refill_drawn": self._refill.drawn,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = dict(state_dict)
         self._position = TrainPosition(epoch=int(state_dict["epoch"]), start=int(state_dict["prompts_consumed"]))
+        # Checkpoints written before the refill stream existed have no refill keys: start it afresh.
+        self._refill = RefillPosition(int(state_dict.get("refill_epoch", 0)), int(state_dict.get("refill_drawn", 0)))
 
     def _apply_restored(self, n: int, world_size: int) -> None:
         """Check a restored position against the data it will index into (once, at loader creation)."""

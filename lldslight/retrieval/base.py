@@ -1,8 +1,12 @@
-"""The Retriever contract every backend honours (DESIGN.md, Contracts)."""
+"""The Retriever contract every backend honours (DESIGN.md, Contracts), and the registry of backends
+by name ("bm25", "dense", "http") that the CLI and ``load_index`` use."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from lldslight.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -31,5 +35,36 @@ class Retriever(Protocol):
     def search(self, queries: list[str], k: int) -> list[list[Passage]]: ...
 
 
-class RetrievalError(RuntimeError):
+class RetrievalError(UserError, RuntimeError):
     """A retriever could not answer (server down, malformed response, missing index)."""
+
+
+# A retriever's short name -> its class, written as a path and imported only when asked for: the
+# backends import this module, so this module must not import them (no cycle, and `import base`
+# costs nothing). ``indexed``: the class builds an on-disk index (lldslight.retrieval.index).
+_REGISTRY: dict[str, tuple[str, bool]] = {
+    "bm25": ("lldslight.retrieval.bm25.BM25Retriever", True),
+    "dense": ("lldslight.retrieval.dense.DenseRetriever", True),
+    "http": ("lldslight.retrieval.http.HttpRetriever", False),
+}
+
+
+def register_retriever(name: str, class_path: str, indexed: bool = False) -> None:
+    """Make ``name`` resolve to ``class_path`` ("package.module.Class"), e.g. for your own backend."""
+    _REGISTRY[name] = (class_path, indexed)
+
+
+def retriever_names(indexed: bool = False) -> list[str]:
+    """Registered names (only those that build an index when ``indexed``)."""
+    return [n for n, (_, ix) in _REGISTRY.items() if ix or not indexed]
+
+
+def retriever_class(name: str, indexed: bool = False) -> type:
+    """The class registered as ``name``, imported now; ``indexed`` asks for one that builds an index."""
+    if name not in _REGISTRY:
+        raise RetrievalError(f"unknown retriever {name!r} (registered: {', '.join(retriever_names())})")
+    class_path, is_indexed = _REGISTRY[name]
+    if indexed and not is_indexed:
+        raise RetrievalError(f"retriever {name!r} builds no index (index kinds: {', '.join(retriever_names(indexed=True))})")
+    module, _, cls = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), cls)

@@ -88,18 +88,18 @@ class BM25Retriever(IndexedRetriever):
         tok = self._new_tokenizer()
         ids: list[list[int]] = []
         chunk: list[str] = []
-        bar = tqdm(total=total or None, desc="BM25 tokenise", unit="psg", disable=not self.show_progress)
-        for _pid, contents in rows:
-            chunk.append(contents)
-            if len(chunk) >= _TOKENIZE_CHUNK:
+        # `with`: a malformed row ends the bar's line before its error is printed.
+        with tqdm(total=total or None, desc="BM25 tokenise", unit="psg", disable=not self.show_progress) as bar:
+            for _pid, contents in rows:
+                chunk.append(contents)
+                if len(chunk) >= _TOKENIZE_CHUNK:
+                    ids.extend(tok.tokenize(chunk, update_vocab=True, return_as="ids", show_progress=False))
+                    bar.update(len(chunk))
+                    chunk = []
+            if chunk:
                 ids.extend(tok.tokenize(chunk, update_vocab=True, return_as="ids", show_progress=False))
                 bar.update(len(chunk))
-                chunk = []
-        if chunk:
-            ids.extend(tok.tokenize(chunk, update_vocab=True, return_as="ids", show_progress=False))
-            bar.update(len(chunk))
-        bar.total = bar.n  # the line count included blank lines
-        bar.close()
+            bar.total = bar.n  # the line count included blank lines
         if not ids:
             return  # the caller reports the empty corpus
         model = bm25s.BM25(k1=self.k1, b=self.b, method=self.method)

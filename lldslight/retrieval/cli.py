@@ -6,7 +6,9 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from .base import RetrievalError
+from lldslight.errors import ArgumentParser
+
+from .base import RetrievalError, retriever_class, retriever_names
 
 
 def _dense_args(p: argparse.ArgumentParser) -> None:
@@ -46,18 +48,16 @@ def _settings(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
 def index_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lldslight index --corpus corpus.jsonl --retriever dense|bm25 --out DIR [options]``."""
-    p = argparse.ArgumentParser(prog="lldslight index", description="Build a retrieval index over a jsonl corpus.")
+    p = ArgumentParser(prog="lldslight index", description="Build a retrieval index over a jsonl corpus.")
     p.add_argument("--corpus", required=True, help='jsonl with {"id", "contents"} rows')
-    p.add_argument("--retriever", choices=["bm25", "dense"], default="bm25")
+    p.add_argument("--retriever", choices=retriever_names(indexed=True), default="bm25")
     p.add_argument("--out", required=True, help="index directory to write")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _bm25_args(p)
     _dense_args(p)
     args = p.parse_args(argv)
-    from .index import retriever_class
-
     try:
-        r = retriever_class(args.retriever)(corpus=args.corpus, show_progress=not args.quiet,
+        r = retriever_class(args.retriever, indexed=True)(corpus=args.corpus, show_progress=not args.quiet,
                                             **_settings(args, args.retriever))
         t0 = time.perf_counter()
         out = r.build(args.out)
@@ -76,18 +76,21 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
 
     Without ``--index``, ``--corpus`` and ``--retriever`` build (or reuse) a cached index.
     """
-    p = argparse.ArgumentParser(prog="lldslight serve",
+    p = ArgumentParser(prog="lldslight serve",
                                 description="Serve a retrieval index over HTTP, Search-R1 compatible (POST /retrieve).")
     p.add_argument("--index", default=None, help="index directory from `lldslight index`")
     p.add_argument("--corpus", default=None, help="corpus path (overrides the index's; must be the same file)")
-    p.add_argument("--retriever", choices=["bm25", "dense"], default="bm25", help="without --index: kind to build")
+    p.add_argument("--retriever", choices=retriever_names(indexed=True), default="bm25", help="without --index: kind to build")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-queries", type=int, default=512, help="queries per request")
     p.add_argument("--max-topk", type=int, default=100)
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--default-topk", type=int, default=3, help="topk when a request has none")
-    p.add_argument("--max-batch", type=int, default=256, help="queries merged into one search")
+    p.add_argument("--default-topk", type=int, default=3, help="topk when a request has none, null or 0")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408 beyond)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="most queries in one search call; bigger requests are served in chunks, round-robin "
+                        "with other requests (default: %(default)s)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait for concurrent requests to join a batch")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -96,7 +99,7 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.index is None and args.corpus is None:
         p.error("give --index DIR, or --corpus FILE (with --retriever) to serve a cached index")
-    from .index import load_index, retriever_class
+    from .index import load_index
     from .server import ServerLimits, ServerProcess, serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -108,10 +111,11 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
                        if _kind(args.index) == "dense" else {})
             retriever: Any = load_index(args.index, corpus=args.corpus, show_progress=not args.quiet, **runtime)
         else:
-            retriever = retriever_class(args.retriever)(corpus=args.corpus, show_progress=not args.quiet,
+            retriever = retriever_class(args.retriever, indexed=True)(corpus=args.corpus, show_progress=not args.quiet,
                                                         **_settings(args, args.retriever))
         limits = ServerLimits(max_queries=args.max_queries, max_topk=args.max_topk,
-                              max_body_bytes=args.max_body_bytes, default_topk=args.default_topk)
+                              max_body_bytes=args.max_body_bytes, default_topk=args.default_topk,
+                              body_timeout_s=args.body_timeout)
 
         def ready(url: str) -> None:
             n = len(retriever) if hasattr(retriever, "__len__") else "?"

@@ -208,22 +208,22 @@ class DenseRetriever(IndexedRetriever):
             index = faiss.IndexHNSWFlat(enc.dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         else:
             index = faiss.IndexFlatIP(enc.dim)
-        bar = tqdm(total=total or None, desc=f"encode corpus ({self.encoder})", unit="psg",
-                   disable=not self.show_progress, smoothing=0.05)
         chunk: list[str] = []
+        # `with`: a malformed row ends the bar's line before its error is printed.
+        with tqdm(total=total or None, desc=f"encode corpus ({self.encoder})", unit="psg",
+                  disable=not self.show_progress, smoothing=0.05) as bar:
 
-        def flush() -> None:
-            index.add(enc.encode(chunk, self.passage_prefix, progress=bar.update))
-            chunk.clear()
+            def flush() -> None:
+                index.add(enc.encode(chunk, self.passage_prefix, progress=bar.update))
+                chunk.clear()
 
-        for _pid, contents in rows:
-            chunk.append(contents)
-            if len(chunk) >= _BUILD_CHUNK:
+            for _pid, contents in rows:
+                chunk.append(contents)
+                if len(chunk) >= _BUILD_CHUNK:
+                    flush()
+            if chunk:
                 flush()
-        if chunk:
-            flush()
-        bar.total = bar.n
-        bar.close()
+            bar.total = bar.n
         if index.ntotal:
             faiss.write_index(index, str(tmp / _FAISS_NAME))
 

@@ -1,11 +1,16 @@
 """Client for any Search-R1-compatible retrieval server (ours, Search-R1's, FlashRAG's)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Literal
 
+from lldslight.errors import require
+
 from .base import Passage, RetrievalError
+
+log = logging.getLogger(__name__)
 
 UNAVAILABLE = Passage(id="unavailable", contents='"Search unavailable"\nThe search engine is unavailable right now.',
                       score=0.0)
@@ -43,10 +48,10 @@ class HttpRetriever:
         batch_size: int = 256,
         on_unavailable: Literal["fail", "observe"] = "fail",
     ):
-        if on_unavailable not in ("fail", "observe"):
-            raise ValueError(f"on_unavailable must be 'fail' or 'observe', got {on_unavailable!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        require(on_unavailable in ("fail", "observe"), "HttpRetriever.on_unavailable", "'fail' or 'observe'", on_unavailable)
+        require(batch_size >= 1, "HttpRetriever.batch_size", ">= 1", batch_size)
+        require(retries >= 0, "HttpRetriever.retries", ">= 0", retries)
+        require(timeout > 0, "HttpRetriever.timeout", "> 0 seconds", timeout)
         self.url = url
         self.timeout = float(timeout)
         self.retries = int(retries)
@@ -85,9 +90,26 @@ class HttpRetriever:
                 if self.on_unavailable == "fail":
                     raise RetrievalError(f"retrieval server {self.url} unavailable after {self.retries + 1} attempts: {e}") from None
                 with self._lock:
+                    first = self.unavailable_count == 0
                     self.unavailable_count += len(chunk)
+                if first:
+                    log.warning("retrieval server %s unavailable after %d attempts (%s): answering with a 'Search "
+                                "unavailable' observation (on_unavailable=observe); counted per step in "
+                                "retrieval/unavailable", self.url, self.retries + 1, e)
                 out.extend([UNAVAILABLE] for _ in chunk)
         return out
+
+    def probe(self, topk: int) -> None:
+        """One request in Search-R1's format with ``topk`` (any compatible server answers it; Search-R1's
+        own has no /health): raises RetrievalError, whatever ``on_unavailable`` says, when the server
+        cannot be reached or refuses ``topk`` (its 4xx message names its limit). Called before training."""
+        try:
+            self._request(["lldslight preflight"], topk)
+        except _Unavailable as e:
+            raise RetrievalError(f"retrieval server {self.url} unreachable after {self.retries + 1} attempts ({e}); "
+                                 "start it (lldslight serve --index DIR --port N) or fix the retriever's url") from None
+        except RetrievalError as e:
+            raise RetrievalError(f"{e} (probed with rollout.topk={topk})") from None
 
     def _request(self, queries: list[str], k: int) -> list[list[Passage]]:
         import httpx
@@ -96,11 +118,16 @@ class HttpRetriever:
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), 10.0))
+                wait = min(self.backoff * 2 ** (attempt - 1), 10.0)
+                # Every failed attempt is said as it happens: a hung server is not minutes of silence.
+                log.warning("retrieval server %s: attempt %d/%d failed (%s); retrying in %.1fs",
+                            self.url, attempt, self.retries + 1, last, wait)
+                time.sleep(wait)
+            t0 = time.perf_counter()
             try:
                 resp = self._http().post(self.url, json=payload)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                last = f"{type(e).__name__} after {time.perf_counter() - t0:.1f}s" + (f": {e}" if str(e) else "")
                 continue
             if resp.status_code in _RETRY_STATUS:
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
@@ -108,6 +135,8 @@ class HttpRetriever:
             if resp.status_code != 200:
                 raise RetrievalError(f"retrieval server {self.url} refused the request: HTTP {resp.status_code}: {resp.text[:500]}")
             return parse_response(resp, len(queries), k, self.url)
+        log.warning("retrieval server %s: attempt %d/%d failed (%s); giving up", self.url, self.retries + 1,
+                    self.retries + 1, last)
         raise _Unavailable(last)
 
     def __getstate__(self) -> dict:

@@ -24,7 +24,7 @@ import numpy as np
 
 from lldslight.data.formats import CorpusRecordError, corpus_record
 
-from .base import Passage, RetrievalError
+from .base import Passage, RetrievalError, retriever_class  # noqa: F401  (retriever_class: re-exported)
 
 CONFIG_NAME = "lldslight_index.json"
 SPANS_NAME = "spans.npy"
@@ -474,21 +474,8 @@ class IndexedRetriever:
 
 def build_index(corpus: str, out: str, retriever: str = "bm25", **settings: Any) -> Path:
     """Build an explicit index of ``retriever`` kind ("bm25" | "dense") for ``corpus`` at ``out``."""
-    cls = retriever_class(retriever)
-    r = cls(corpus=corpus, **settings)
+    r = retriever_class(retriever, indexed=True)(corpus=corpus, **settings)
     return r.build(out)
-
-
-def retriever_class(kind: str) -> type[IndexedRetriever]:
-    if kind == "bm25":
-        from .bm25 import BM25Retriever
-
-        return BM25Retriever
-    if kind == "dense":
-        from .dense import DenseRetriever
-
-        return DenseRetriever
-    raise RetrievalError(f"unknown retriever kind {kind!r} (expected 'bm25' or 'dense')")
 
 
 def load_index(index_dir: str | os.PathLike, corpus: Optional[str] = None, **overrides: Any) -> IndexedRetriever:
@@ -499,7 +486,7 @@ def load_index(index_dir: str | os.PathLike, corpus: Optional[str] = None, **ove
     so a missing or changed corpus fails here rather than at the first search.
     """
     cfg = IndexConfig.read(index_dir)
-    cls = retriever_class(cfg.kind)
+    cls = retriever_class(cfg.kind, indexed=True)
     kwargs: dict[str, Any] = {**cfg.settings, **cfg.query_settings, **overrides}
     r = cls(corpus=corpus, index_dir=str(index_dir), **kwargs)
     return r.load()

@@ -7,27 +7,36 @@ is answered in the same shape with one list. ``GET /health`` says the server is 
 
 Concurrent requests are merged by a micro-batcher into one ``retriever.search`` call run in a
 worker thread: one encoder forward pass for many rollout workers instead of one each. A lone
-request is dispatched at once (no fixed wait), so batching costs nothing at low load.
+request is dispatched at once (no fixed wait), so batching costs nothing at low load. No call
+holds more than ``max_batch`` queries: a bigger request is served a chunk at a time, round-robin
+with the other requests, so a one-query request is not stuck behind a 512-query one.
+
+Abuse is answered in one line, never a traceback: malformed or too deeply nested JSON gets 400, a
+body not received within ``body_timeout_s`` gets 408, a client gone mid-request one log line.
 """
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations at
 # definition time, and ``Request`` is imported inside ``create_app`` to keep imports lazy.
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from .base import Passage, RetrievalError, Retriever
 
 DEFAULT_HOST = "127.0.0.1"
+# uvicorn's error logger: our one-line notices share its format and its --log-level.
+log = logging.getLogger("uvicorn.error")
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,11 @@ class ServerLimits:
     max_queries: int = 512  # queries in one request (413 beyond)
     max_topk: int = 100  # largest topk (422 beyond)
     max_body_bytes: int = 4 << 20  # request body size (413 beyond)
-    default_topk: int = 3  # topk when the request has none (Search-R1's retrieval_topk)
+    default_topk: int = 3  # topk when the request has none, null or 0 (Search-R1's retrieval_topk)
+    # Seconds to receive a request's body once its headers are in (408 beyond). uvicorn times out
+    # only idle keep-alive connections, so without it a client that stops mid-body holds its
+    # connection and request forever.
+    body_timeout_s: float = 30.0
 
 
 class BadRequest(Exception):
@@ -71,14 +84,15 @@ def parse_request(payload: Any, limits: ServerLimits) -> tuple[list[str], int, b
     else:
         raise BadRequest(422, "missing field 'queries' (a list of strings) or 'query' (a string)")
     topk = payload.get("topk")
-    if topk is None:
-        topk = limits.default_topk
-    elif isinstance(topk, float) and topk.is_integer():
+    if isinstance(topk, float) and topk.is_integer():
         topk = int(topk)
-    if isinstance(topk, bool) or not isinstance(topk, int):
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int)):
         raise BadRequest(422, f"field 'topk' must be an integer, got {type(payload.get('topk')).__name__}")
+    if not topk:  # absent, null or 0: the default, as Search-R1's server does (`if not request.topk`)
+        topk = limits.default_topk
     if not 1 <= topk <= limits.max_topk:
-        raise BadRequest(422, f"field 'topk' must be between 1 and max_topk={limits.max_topk}, got {topk}")
+        raise BadRequest(422, f"field 'topk' must be between 1 and max_topk={limits.max_topk} (0 or null: "
+                              f"the default, {limits.default_topk}), got {topk}")
     rs = payload.get("return_scores")
     if rs is None:
         rs = False
@@ -98,28 +112,48 @@ def render_result(results: list[list[Passage]], return_scores: bool) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
-class MicroBatcher:
-    """Merge concurrent searches into one ``retriever.search`` call on a single worker thread.
+@dataclass(eq=False)
+class _Job:
+    """One request's queries, the results found so far, and the future its handler awaits."""
 
-    After the first waiting request, the batch takes whatever else is queued and keeps yielding
-    to the event loop while other requests are still being read (``arriving``), up to
-    ``max_wait_ms``; a lone request therefore goes out immediately. Requests that arrive while a
-    search runs form the next batch.
+    queries: list[str]
+    k: int
+    future: asyncio.Future
+    results: list[list[Passage]] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.queries) - len(self.results)
+
+
+class MicroBatcher:
+    """Merge concurrent searches into ``retriever.search`` calls of at most ``max_batch`` queries,
+    run one at a time on a worker thread.
+
+    Each call goes round the pending requests in turn, one chunk from each, until it holds
+    ``max_batch`` queries; a request served in a call goes to the back of the line, behind the
+    requests that arrived meanwhile. A 512-query request is therefore searched over several calls,
+    and a one-query request that arrives during it rides along in the next call instead of waiting
+    for all 512. Before each call, the batcher waits (up to ``max_wait_ms``) only while other
+    requests are still being read (``arriving``), so a lone request goes out immediately.
     """
 
-    def __init__(self, retriever: Retriever, max_batch: int = 256, max_wait_ms: float = 5.0):
+    def __init__(self, retriever: Retriever, max_batch: int = 64, max_wait_ms: float = 5.0):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.retriever = retriever
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.arriving = 0  # requests whose body is being read or validated
         self.batches = 0
         self.batched_queries = 0
-        self._queue: Optional[asyncio.Queue] = None
+        self._new: Optional[asyncio.Queue] = None  # jobs not yet in the line
+        self._line: deque[_Job] = deque()  # jobs with queries left, in serving order
         self._task: Optional[asyncio.Task] = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval-search")
 
     async def start(self) -> None:
-        self._queue = asyncio.Queue()
+        self._new = asyncio.Queue()
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -132,55 +166,89 @@ class MicroBatcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def search(self, queries: list[str], k: int) -> list[list[Passage]]:
-        assert self._queue is not None, "MicroBatcher.start() was not awaited"
+        assert self._new is not None, "MicroBatcher.start() was not awaited"
+        if not queries:
+            return []
         fut = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((queries, k, fut))
+        self._new.put_nowait(_Job(list(queries), k, fut))
         return await fut
 
-    async def _run(self) -> None:
-        assert self._queue is not None
-        q, loop = self._queue, asyncio.get_running_loop()
+    def _admit(self) -> None:
+        assert self._new is not None
+        while not self._new.empty():
+            self._line.append(self._new.get_nowait())
+
+    async def _gather(self) -> None:
+        """Admit every queued request, yielding while more are being read, up to max_wait."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_wait
         while True:
-            batch = [await q.get()]
-            n = len(batch[0][0])
-            deadline = loop.time() + self.max_wait
-            while n < self.max_batch:
-                if not q.empty():
-                    item = q.get_nowait()
-                    batch.append(item)
-                    n += len(item[0])
-                elif self.arriving > 0 and loop.time() < deadline:
-                    await asyncio.sleep(0)
-                else:
-                    break
-            batch = [item for item in batch if not item[2].done()]  # client went away
-            if not batch:
+            self._admit()
+            if sum(j.remaining for j in self._line) >= self.max_batch:
+                return
+            if self.arriving > 0 and loop.time() < deadline:
+                await asyncio.sleep(0)
+            else:
+                return
+
+    def _compose(self) -> list[tuple[_Job, int, int]]:
+        """The next call: (job, start, end) slices of the jobs at the front, max_batch queries in all."""
+        parts, used = [], 0
+        for job in self._line:
+            if used == self.max_batch:
+                break
+            start = len(job.results)
+            end = min(len(job.queries), start + self.max_batch - used)
+            parts.append((job, start, end))
+            used += end - start
+        return parts
+
+    async def _run(self) -> None:
+        assert self._new is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._line:
+                self._line.append(await self._new.get())
+            await self._gather()
+            self._line = deque(j for j in self._line if not j.future.done())  # client went away
+            if not self._line:
                 continue
-            queries = [s for item in batch for s in item[0]]
-            kmax = max(item[1] for item in batch)
+            parts = self._compose()
+            queries = [q for job, a, b in parts for q in job.queries[a:b]]
+            kmax = max(job.k for job, _, _ in parts)
             self.batches += 1
             self.batched_queries += len(queries)
             try:
                 results = await loop.run_in_executor(self._executor, self.retriever.search, queries, kmax)
                 if len(results) != len(queries):
                     raise RetrievalError(f"retriever returned {len(results)} lists for {len(queries)} queries")
-            except Exception as e:  # one failed search fails its batch, not the server
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
+                failed: Optional[Exception] = None
+            except Exception as e:  # one failed search fails the requests in its call, not the server
+                failed = e
             pos = 0
-            for qs, k, fut in batch:
-                if not fut.done():
-                    fut.set_result([r[:k] for r in results[pos : pos + len(qs)]])
-                pos += len(qs)
+            for job, a, b in parts:
+                if failed is not None:
+                    if not job.future.done():
+                        job.future.set_exception(failed)
+                else:
+                    job.results.extend(r[: job.k] for r in results[pos : pos + b - a])
+                    pos += b - a
+                    if job.remaining == 0 and not job.future.done():
+                        job.future.set_result(job.results)
+            # Requests that arrived during the call queue ahead of the ones just served.
+            served = {id(job) for job, _, _ in parts}
+            self._admit()
+            waiting = [j for j in self._line if id(j) not in served]
+            again = [job for job, _, _ in parts if job.remaining > 0 and not job.future.done()]
+            self._line = deque(waiting + again)
 
 
-def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_batch: int = 256,
+def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_batch: int = 64,
                max_wait_ms: float = 5.0) -> Any:
     """The FastAPI app. The retriever should already be loaded (``serve`` and ``start_server`` do)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     batcher = MicroBatcher(retriever, max_batch=max_batch, max_wait_ms=max_wait_ms)
 
@@ -199,30 +267,45 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"detail": message}, status_code=status)
 
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise BadRequest(413, f"request body of {declared} bytes exceeds max_body_bytes={limits.max_body_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.max_body_bytes:
+                raise BadRequest(413, f"request body exceeds max_body_bytes={limits.max_body_bytes}")
+        return bytes(body)
+
+    def client(request: Request) -> str:
+        return f"{request.client.host}:{request.client.port}" if request.client else "a client"
+
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
         batcher.arriving += 1
         try:
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-                return error(413, f"request body of {declared} bytes exceeds max_body_bytes={limits.max_body_bytes}")
-            body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limits.max_body_bytes:
-                    return error(413, f"request body exceeds max_body_bytes={limits.max_body_bytes}")
+            body = await asyncio.wait_for(read_body(request), limits.body_timeout_s)
             try:
                 payload = json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                return error(400, f"malformed JSON body: {e}")
-            try:
-                queries, topk, return_scores = parse_request(payload, limits)
-            except BadRequest as e:
-                return error(e.status, e.message)
+                raise BadRequest(400, f"malformed JSON body: {e}") from None
+            except RecursionError:
+                raise BadRequest(400, "malformed JSON body: nested too deeply to parse") from None
+            queries, topk, return_scores = parse_request(payload, limits)
+        except BadRequest as e:
+            return error(e.status, e.message)
+        except asyncio.TimeoutError:
+            log.warning("retrieval: %s sent no complete body within body_timeout_s=%gs; answered 408",
+                        client(request), limits.body_timeout_s)
+            # Connection: close: a stalled client would otherwise keep the connection by trickling bytes.
+            return JSONResponse({"detail": f"request body not received within body_timeout_s={limits.body_timeout_s:g}s"},
+                                status_code=408, headers={"Connection": "close"})
+        except ClientDisconnect:
+            log.warning("retrieval: %s disconnected before sending its whole request", client(request))
+            return Response(status_code=400)  # nobody is there to read it; uvicorn drops it
         finally:
             batcher.arriving -= 1
-        if not queries:
-            return Response(render_result([], return_scores), media_type="application/json")
         try:
             results = await batcher.search(queries, topk)
         except Exception as e:
@@ -272,7 +355,7 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
 
 
 def serve(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 8000, limits: ServerLimits = ServerLimits(),
-          max_batch: int = 256, max_wait_ms: float = 5.0, log_level: str = "warning",
+          max_batch: int = 64, max_wait_ms: float = 5.0, log_level: str = "warning",
           on_ready: Optional[Callable[[str], None]] = None) -> None:
     """Load the retriever, bind, and serve until interrupted (blocking)."""
     load = getattr(retriever, "load", None)
@@ -311,7 +394,7 @@ class ServerHandle:
 
 
 def start_server(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 0, limits: ServerLimits = ServerLimits(),
-                 max_batch: int = 256, max_wait_ms: float = 5.0, log_level: str = "warning",
+                 max_batch: int = 64, max_wait_ms: float = 5.0, log_level: str = "warning",
                  timeout: float = 60.0) -> ServerHandle:
     """Serve ``retriever`` on a daemon thread; ``port=0`` picks a free port. Returns once it
     accepts requests: ``handle.url`` is the /retrieve URL, ``handle.stop()`` shuts it down."""

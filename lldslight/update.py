@@ -1,0 +1,381 @@
+"""One rollout batch's GRPO updates, top to bottom (PAPER.md §2 and §4; DESIGN.md step 3).
+
+rollout.py makes a Trajectory, this file turns it into optimiser updates, objectives.py holds the
+formulas. ``GRPOModule.training_step`` calls :func:`train_on_rollout` once per rollout batch:
+
+  1. prepare        group advantages; pi_old's and the reference's log-probs (no grad)
+  2. per mini-batch (``updates_per_rollout`` of them; the first is on-policy):
+     a. totals      its normalisers (model tokens, rows with tokens, preserving tokens), summed
+                    over ranks once, before its first micro-batch
+     b. per micro-batch: log-probs -> loss = policy loss + KL + entropy + registered terms, each
+                    a sum over the micro-batch divided by a total -> backward; gradients are
+                    reduced across ranks only in the last micro-batch's backward
+     c. grad norm -> step gates (may veto) -> optimiser step
+  3. one scheduler step
+
+Since every term is (sum over the micro-batch) / (mini-batch total), a mini-batch's loss is the
+sum of its micro-batches' however it is cut (``micro_batch_size``, ``micro_batch_tokens``) or
+spread over ranks: DDP and FSDP2 average gradients over ranks, so each rank backpropagates its
+part times the world size, and 2 ranks x 2 rows give the gradient of 1 rank x 4 rows.
+
+Callbacks extend an update through two hooks registered on the module:
+- loss terms, fn(LossContext) -> scalar tensor, added to the loss (LLDS is one): a sum over the
+  micro-batch divided by one of ``ctx.totals``. A term must not run collectives: ranks may run
+  different numbers of micro-batches (token packing under DDP);
+- step gates, fn(StepContext) -> bool, after the mini-batch's backward and before the optimiser
+  step: False vetoes the update (the gradient-spike guard is one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lldslight import objectives as obj
+from lldslight.distributed import all_ranks_agree, gradient_sync, sum_over_ranks, world_size
+from lldslight.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from lldslight.module import GRPOModule
+
+
+@dataclass
+class Totals:
+    """One mini-batch's normalisers, summed over ranks, counted once before its first micro-batch
+    (a token dropped later as non-finite still counts)."""
+
+    tokens: float  # model tokens
+    rows: float  # rows with at least one model token
+    preserving_tokens: float  # model tokens of rows with A >= 0 (LLDS's preserving set P)
+
+    def for_aggregation(self, mode: obj.Aggregation) -> float:
+        return self.rows if mode == "seq-mean-token-mean" else self.tokens
+
+
+@dataclass
+class LossContext:
+    """What a loss term sees for one micro-batch. Per-token tensors are [b, T], per-row [b]."""
+
+    logp: Tensor  # with grad; 0 where dropped as non-finite
+    old_logp: Tensor
+    ref_logp: Optional[Tensor]  # None when kl_coef = 0
+    advantage: Tensor  # [b]
+    loss_mask: Tensor  # [b, T] bool: model tokens with finite log-probs
+    action_id: Tensor
+    answer_mask: Tensor
+    num_searches: Tensor  # [b]
+    totals: Totals  # the mini-batch's normalisers (all ranks)
+    mean_valid_searches: float  # V of the whole rollout batch (all ranks): LLDS-MA's beta
+    update_index: int  # 0 = the on-policy mini-batch
+    # Diagnostics a term records, the same keys on every rank: summed over micro-batches and ranks
+    # (so record this micro-batch's share of a mini-batch value, or a count), max for "_max" keys.
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StepContext:
+    """What a step gate sees after backward, before the optimiser step."""
+
+    module: "GRPOModule"
+    grad_norm: Tensor  # total pre-clip gradient norm (all ranks)
+    loss: float  # this rank's part of the mini-batch loss
+    update_index: int
+    metrics: dict[str, float] = field(default_factory=dict)  # the same on every rank
+    vetoed: bool = False  # already rejected (non-finite loss or norm, or an earlier gate)
+
+
+LossTerm = Callable[[LossContext], Tensor]
+StepGate = Callable[[StepContext], bool]
+
+
+@dataclass
+class RolloutUpdates:
+    """What one rollout batch's updates produced, for logging."""
+
+    trajectory: Trajectory  # with advantages and old/reference log-probs
+    summed: dict[str, list[float]]  # per update: this rank's share of a mini-batch value, or a count
+    shared: dict[str, list[float]]  # per update: the same on every rank (grad norm, gates, veto)
+    lr: float  # the learning rate the updates used
+    timings: dict[str, float]
+
+    def step_metrics(self) -> tuple[dict[str, float], set[str]]:
+        """The step's values of the per-update metrics (mean over updates; sum for counts of
+        non-finite values and vetoes; max for "_max" keys), named ``train/<key>`` unless a callback
+        namespaced the key itself, and the names whose per-rank values add up over ranks."""
+        metrics = {"train/vetoed_updates": float(sum(self.shared.get("vetoed", [0.0])))}
+        summed = set()
+        for channel in (self.summed, self.shared):
+            for k, values in channel.items():
+                if k == "vetoed":
+                    continue
+                name = k if "/" in k else f"train/{k}"
+                finite = [v for v in values if math.isfinite(v)]
+                if k.startswith("nonfinite"):
+                    metrics[name] = sum(values)
+                elif k.endswith("_max"):
+                    metrics[name] = max(finite) if finite else float("nan")
+                else:
+                    metrics[name] = sum(finite) / len(finite) if finite else float("nan")
+                    if k == "grad_norm":
+                        metrics["train/grad_norm_max"] = max(values)
+                if channel is self.summed:
+                    summed.add(name)
+        return metrics, summed
+
+
+# -- 0. the rollout batch ----------------------------------------------------------------------------
+
+
+def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, scheduler) -> RolloutUpdates:
+    hp = module.hparams
+    order = torch.randperm(len(traj)) if hp.shuffle_minibatches else torch.arange(len(traj))
+    minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
+    t0 = time.perf_counter()
+    traj = prepare(module, traj, onpolicy_rows=minibatches[0] if hp.get("reuse_onpolicy_logp", True) else None)
+    # V for LLDS-MA: once per rollout batch, on every rank (a collective), never inside an update.
+    searches = mean_valid_searches(traj) if module.loss_terms else float("nan")
+    timings = {"logprob_s": time.perf_counter() - t0}
+    _trim_host_memory()
+
+    t0 = time.perf_counter()
+    lr = float(optimizer.param_groups[0]["lr"])  # the scheduler steps after the updates
+    summed: dict[str, list[float]] = {}
+    shared: dict[str, list[float]] = {}
+    for update_index, rows in enumerate(minibatches):
+        result = update(module, traj, rows, update_index, optimizer, searches)
+        if result.old_logp is not None:  # the on-policy mini-batch measured its own old log-probs
+            traj = dataclasses.replace(traj, old_logp=result.old_logp, old_logp_pending=None)
+        for out, part in ((summed, result.summed), (shared, result.shared)):
+            for k, v in part.items():
+                out.setdefault(k, []).append(v)
+    scheduler.step()
+    timings["update_s"] = time.perf_counter() - t0
+    _trim_host_memory()
+    return RolloutUpdates(traj, summed, shared, lr, timings)
+
+
+# -- 1. prepare: advantages, old and reference log-probs ---------------------------------------------
+
+
+def prepare(module: "GRPOModule", traj: Trajectory, onpolicy_rows: Optional[Tensor] = None) -> Trajectory:
+    """A copy of ``traj`` with group advantages and old and reference log-probs.
+
+    ``onpolicy_rows``: rows of the first (on-policy) mini-batch: its update runs on the weights
+    that sampled them, so its own log-probs, detached, are the old ones (``reuse_onpolicy_logp``).
+    They are marked in ``old_logp_pending`` and left at zero here.
+    """
+    hp = module.hparams
+    pending = torch.zeros(len(traj), dtype=torch.bool)
+    if onpolicy_rows is not None:
+        pending[onpolicy_rows] = True
+    if hp.get("old_logp_source", "recompute") == "rollout" and traj.sample_logp is not None:
+        # The sampler's own log-probs (same weights, same temperature): no extra forward pass.
+        old_logp = traj.sample_logp
+        pending[:] = False
+    else:
+        old_logp = batch_logprobs(module, traj, reference=False, rows=(~pending).nonzero()[:, 0])
+    return dataclasses.replace(
+        traj,
+        advantage=obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std),
+        old_logp=old_logp,
+        ref_logp=batch_logprobs(module, traj, reference=True) if hp.kl_coef > 0 else None,
+        old_logp_pending=pending.to(traj.input_ids.device) if bool(pending.any()) else None,
+    )
+
+
+@torch.no_grad()
+def batch_logprobs(module: "GRPOModule", traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
+    """Log-probs [B, T] of ``rows`` (default: all) under the policy or the reference, zero elsewhere."""
+    out = torch.zeros(traj.input_ids.shape, dtype=torch.float32, device=traj.input_ids.device)
+    rows = torch.arange(len(traj)) if rows is None else rows
+    for idx in micro_batches(module, traj, rows):
+        logp, _ = module.logprobs(traj.select(idx), reference=reference)
+        out = out.to(logp.dtype)  # float64 for a float64 model (tests), else a no-op
+        out[idx.to(out.device), : logp.shape[1]] = logp
+    return out
+
+
+def mean_valid_searches(traj: Trajectory) -> float:
+    """V: valid searches per trajectory over the rollout batch of all ranks."""
+    stats = torch.tensor([float(traj.num_searches.sum()), float(len(traj))], dtype=torch.float64, device=traj.input_ids.device)
+    stats = sum_over_ranks(stats)
+    return float(stats[0] / stats[1].clamp(min=1.0))
+
+
+# -- 2. one mini-batch: totals, micro-batches, gates, optimiser step ---------------------------------
+
+
+@dataclass
+class _Update:
+    summed: dict[str, float]
+    shared: dict[str, float]
+    old_logp: Optional[Tensor]  # the rollout batch's old log-probs with the pending rows filled in
+
+
+def micro_batches(module: "GRPOModule", traj: Trajectory, rows: Tensor) -> list[Tensor]:
+    """Split ``rows`` into micro-batches: ``micro_batch_size`` rows each, or packed by
+    ``micro_batch_tokens`` (sorted by length, so rows of similar length share a batch; as many per
+    micro-batch as fit in rows x longest row <= budget, a longer row alone)."""
+    hp = module.hparams
+    budget = hp.get("micro_batch_tokens")
+    if not budget:
+        return [rows[i : i + hp.micro_batch_size] for i in range(0, len(rows), hp.micro_batch_size)]
+    lengths = traj.attention_mask[rows.to(traj.attention_mask.device)].sum(-1).cpu()
+    order = rows[torch.argsort(lengths, stable=True)]
+    sorted_len = lengths.sort(stable=True).values.tolist()
+    out, start = [], 0
+    for i in range(1, len(order) + 1):
+        # rows start..i-1 are sorted ascending, so row i-1 is the longest: padded size = count x it
+        if i == len(order) or (i + 1 - start) * sorted_len[i] > budget:
+            out.append(order[start:i])
+            start = i
+    return out
+
+
+def mini_batch_totals(traj: Trajectory, rows: Tensor) -> Totals:
+    mask = traj.loss_mask[rows.to(traj.loss_mask.device)]  # [m, T]
+    tokens = mask.sum(-1)  # [m]
+    preserving = traj.advantage[rows.to(traj.advantage.device)] >= 0  # [m]
+    local = torch.stack([tokens.sum(), (tokens > 0).sum(), tokens[preserving].sum()]).to(torch.float64)
+    return Totals(*sum_over_ranks(local).tolist())
+
+
+def update(module: "GRPOModule", traj: Trajectory, rows: Tensor, update_index: int, optimizer, searches: float) -> _Update:
+    """One optimiser update on the mini-batch ``rows`` of ``traj``."""
+    optimizer.zero_grad(set_to_none=True)
+    totals = mini_batch_totals(traj, rows)
+    scale = float(world_size())  # DDP / FSDP2 average gradients over ranks; the loss is a sum over them
+    micro = micro_batches(module, traj, rows)
+    summed: dict[str, Tensor | float] = {}
+    filled: list[tuple[Tensor, Tensor]] = []
+    loss_ok = True
+    for i, idx in enumerate(micro):
+        sub = traj.select(idx)
+        logp, entropy = module.logprobs(sub, with_entropy=True)
+        if sub.old_logp_pending is not None and bool(sub.old_logp_pending.any()):
+            if update_index != 0 or not bool(sub.old_logp_pending.all()):
+                raise RuntimeError("old log-probs were deferred for rows outside the first mini-batch")
+            # No optimiser step since sampling: the current log-probs are the old ones (ratio 1).
+            sub = dataclasses.replace(sub, old_logp=logp.detach().masked_fill(~sub.loss_mask, 0.0))
+            filled.append((idx, sub.old_logp))
+        loss, stats = micro_batch_loss(module, sub, logp, entropy, totals, searches, update_index)
+        with gradient_sync(module, enabled=i == len(micro) - 1):
+            if bool(torch.isfinite(loss)):
+                module.manual_backward(loss * scale)
+            else:
+                loss_ok = False  # never backpropagate a NaN: it would poison every gradient
+                stats["nonfinite_loss"] = 1.0
+                if world_size() > 1:
+                    # The other ranks' backward takes part in collectives with this one's (FSDP2
+                    # gathers weights in every backward; gradients are reduced in the last): join
+                    # them with a zero gradient. The update is then vetoed on every rank.
+                    module.manual_backward(logp.sum() * 0.0)
+        for k, v in stats.items():  # maxima for "_max" keys, sums otherwise
+            summed[k] = v if k not in summed else max(float(summed[k]), float(v)) if k.endswith("_max") else summed[k] + v
+    shared = step(module, optimizer, update_index, loss_ok, float(summed.get("loss", float("nan"))))
+    old_logp = None
+    if filled:
+        old_logp = traj.old_logp.clone()
+        for idx, values in filled:
+            old_logp[idx.to(old_logp.device), : values.shape[1]] = values
+    return _Update({k: float(v) for k, v in summed.items()}, shared, old_logp)
+
+
+def micro_batch_loss(
+    module: "GRPOModule", sub: Trajectory, logp: Tensor, entropy: Tensor, totals: Totals, searches: float, update_index: int
+) -> tuple[Tensor, dict[str, Tensor | float]]:
+    """The micro-batch's part of the mini-batch loss: policy loss + KL + entropy bonus + the
+    registered terms, each (sum over these rows) / a mini-batch total. Returns (loss, diagnostics)."""
+    hp = module.hparams
+    mask, old_logp, ref_logp = sub.loss_mask, sub.old_logp, sub.ref_logp
+    finite = torch.isfinite(logp) & torch.isfinite(old_logp)
+    if ref_logp is not None:
+        finite = finite & torch.isfinite(ref_logp)
+    nonfinite = (mask & ~finite).sum()
+    if not bool(finite.all()):
+        # Drop non-finite positions from every operand, not just the mask: 0 * NaN is NaN.
+        mask = mask & finite
+        logp, old_logp = logp.masked_fill(~finite, 0.0), old_logp.masked_fill(~finite, 0.0)
+        ref_logp = ref_logp.masked_fill(~finite, 0.0) if ref_logp is not None else None
+    n = totals.for_aggregation(hp.aggregation)
+    tokens = max(totals.tokens, 1.0)
+
+    pg, ratio, clipped = obj.clipped_surrogate(
+        logp, old_logp, sub.advantage, hp.clip_eps, hp.clip_eps_high, hp.get("ratio_clamp")
+    )
+    pg_loss = obj.aggregate(pg, mask, hp.aggregation, n)
+    loss = pg_loss
+    stats: dict[str, Tensor | float] = {
+        "pg_loss": pg_loss.detach(),
+        "clip_frac": (clipped & mask).sum() / tokens,
+        "entropy": (entropy.detach() * mask).sum() / tokens,  # token mean whatever the aggregation
+        "ratio_max": ratio.detach().masked_fill(~mask, 0.0).max() if bool(mask.any()) else 1.0,
+        "nonfinite_tokens": nonfinite,
+        "nonfinite_loss": 0.0,  # set by update(): every rank logs the same keys
+    }
+    if hp.kl_coef > 0:
+        kl = obj.aggregate(obj.kl_penalty(logp, ref_logp, hp.kl_estimator), mask, hp.aggregation, n)
+        loss = loss + hp.kl_coef * kl
+        stats["kl"] = kl.detach()
+    if hp.entropy_coef:
+        loss = loss - hp.entropy_coef * obj.aggregate(entropy, mask, hp.aggregation, n)
+    if module.loss_terms:
+        ctx = LossContext(
+            logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantage=sub.advantage, loss_mask=mask,
+            action_id=sub.action_id, answer_mask=sub.answer_mask, num_searches=sub.num_searches,
+            totals=totals, mean_valid_searches=searches, update_index=update_index,
+        )
+        for fn in module.loss_terms.values():
+            loss = loss + fn(ctx)
+        stats.update(ctx.metrics)
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+def step(module: "GRPOModule", optimizer, update_index: int, loss_ok: bool, loss: float) -> dict[str, float]:
+    """Gradient norm, step gates, then the optimiser step, or a veto that changes nothing."""
+    params = module.trainable_parameters()
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()  # FSDP2: already global (Replicate); gates get a plain tensor
+    loss_ok = all_ranks_agree(loss_ok, module.device)  # gates must see the same inputs on every rank
+    ctx = StepContext(module=module, grad_norm=grad_norm, loss=loss, update_index=update_index)
+    ctx.vetoed = not (loss_ok and bool(torch.isfinite(grad_norm)))
+    for gate in module.step_gates.values():
+        # Every gate sees every update (a guard counts consecutive vetoes); none can undo a veto.
+        if not gate(ctx):
+            ctx.vetoed = True
+    accept = all_ranks_agree(not ctx.vetoed, module.device)  # one rank stepping alone splits the replicas
+    if accept:
+        if module.hparams.grad_clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, module.hparams.grad_clip, ctx.grad_norm)
+        optimizer.step()
+    else:
+        # A vetoed update leaves weights and optimiser state exactly as they were.
+        optimizer.zero_grad(set_to_none=True)
+        module.vetoed_updates += 1
+    return {**ctx.metrics, "grad_norm": float(grad_norm), "vetoed": 0.0 if accept else 1.0}
+
+
+def _trim_host_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc). On CPU, the rollout and the update each free
+    hundreds of MB of mid-sized tensors that malloc would otherwise keep, so the next phase's
+    peak would sit on top of the last one's leftovers. A few ms; a no-op elsewhere."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+try:
+    import ctypes
+
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (present on glibc only)
+except (OSError, AttributeError):
+    _LIBC = None

@@ -1,0 +1,103 @@
+"""benchmarks/bounds.py's arithmetic: parameter and byte counts, the decode-step bound and the
+update's FLOPs, on hand-worked numbers and against torch's own FLOP counter on a real forward and
+backward. (The measurements themselves are timings: checked to run, not for their values.)"""
+import pytest
+import torch
+from conftest import load_benchmark, tiny_policy_config
+
+SMOLLM2 = dict(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49152, head_dim=64, tied=True)
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    return load_benchmark("bounds")
+
+
+def test_smollm2_counts_by_hand(bounds):
+    s = bounds.Shape(**SMOLLM2)
+    # per layer: q 576*576 + k, v 576*192 each + o 576*576 + gate, up, down 576*1536 each
+    assert s.layer_params() == 331_776 + 2 * 110_592 + 331_776 + 3 * 884_736 == 3_538_944
+    # 30 layers + tied embedding 49152*576 + 61 RMSNorm weights of 576
+    assert s.params() == 30 * 3_538_944 + 28_311_552 + 61 * 576 == 134_515_008
+    # a decode step reads all of it (the vocabulary projection is the tied embedding), 4 bytes each
+    assert s.decode_bytes() == 4 * 134_515_008 == 538_060_032
+
+
+def test_shape_counts_match_a_real_model(bounds, tiny_policy):
+    model, _ = tiny_policy
+    base = model.get_base_model()
+    n = sum(p.numel() for name, p in base.named_parameters() if "lora_" not in name)
+    assert bounds.Shape.from_config(base.config).params() == n
+
+
+def test_decode_bound_for_known_bytes_and_bandwidth(bounds):
+    s = bounds.Shape(**SMOLLM2)
+    b = bounds.decode_bound_s(s, rows=8, context=0, read_gbs=10.0, sgemm_gflops=100.0)
+    assert b["memory_s"] == pytest.approx(538_060_032 / 10e9)  # 53.8 ms
+    # 8 rows x 2 FLOPs x (30 layers' 3,538,944 weights + the 28,311,552 of the projection)
+    assert b["compute_s"] == pytest.approx(8 * 2 * (30 * 3_538_944 + 28_311_552) / 100e9)  # 21.5 ms
+    assert b["bound_s"] == b["memory_s"]
+    slow_gemm = bounds.decode_bound_s(s, rows=8, context=0, read_gbs=10.0, sgemm_gflops=20.0)
+    assert slow_gemm["bound_s"] == slow_gemm["compute_s"] == pytest.approx(0.10758, rel=1e-4)
+
+
+def test_update_flops_by_hand(bounds):
+    # hidden 4, MLP 8, 2 layers, 2 heads of 2, 1 kv head: Linears q 4x4, k 4x2, v 4x2, o 4x4,
+    # gate 4x8, up 4x8, down 8x4 = 144 weights; sum of (in + out) = 64.
+    s = bounds.Shape(hidden=4, intermediate=8, layers=2, heads=2, kv_heads=1, vocab=10)
+    # One row of 3 tokens (6 causal query-key pairs), 2 loss tokens, LoRA r=1 everywhere:
+    #   Linears 2*144*3 = 864 per layer; attention 4*4*6 = 96; LoRA 2*1*64*3 = 384; head 2*4*10*2 = 160
+    #   forward   2*(864 + 96) + 2*384 + 160 = 2848
+    #   backward  2*(864 + 2*96 + 2*384) + 160 = 3808   (frozen bases: input gradients only)
+    #   recompute 2*(864 + 96 + 384) = 2688              (checkpointing, head not recomputed)
+    f = bounds.update_flops(s, [3], 2, lora_r=1, checkpointing=True)
+    assert f == {"forward": 2848.0, "backward": 3808.0, "recompute": 2688.0, "total": 9344.0}
+    # LoRA on the top layer only: backward and recompute stop there.
+    top = bounds.update_flops(s, [3], 2, lora_r=1, lora_layers=1, checkpointing=False)
+    assert top == {"forward": 2 * 960 + 384 + 160.0, "backward": 1824 + 160.0, "recompute": 0.0, "total": 2464 + 1984.0}
+    # Full fine-tuning: weight gradients double the Linears' and the head's backward.
+    full = bounds.update_flops(s, [3], 2, lora_r=None, checkpointing=False)
+    assert full["backward"] == 2 * (2 * 864 + 2 * 96) + 2 * 160
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_update_flops_match_torchs_flop_counter(bounds, checkpointing):
+    """A real fwd+bwd through lldslight's chunked log-probs (which recompute the head's chunks),
+    counted by torch.utils.flop_counter (matmuls only: CPU attention is not counted there)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lldslight.logprobs import token_logprobs
+    from lldslight.policy import load_policy
+
+    cfg = tiny_policy_config(lora=True)
+    cfg.random_init = dict(cfg.random_init, vocab_size=512, num_hidden_layers=4)  # layers dominate
+    cfg.gradient_checkpointing = checkpointing
+    model, _ = load_policy(cfg)
+    model.train()
+    model.enable_input_require_grads()  # else the lowest layer's q/k/v skip their input gradients
+    shape = bounds.Shape.from_config(model.get_base_model().config)
+    B, T = 2, 12
+    ids = torch.randint(0, 500, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, 5:] = True
+    with FlopCounterMode(display=False) as counter:
+        logp, _ = token_logprobs(model, ids, torch.ones_like(ids), mask, chunk_size=4)
+        logp.sum().backward()
+    counted = sum(counter.get_flop_counts()["Global"].values())
+    f = bounds.update_flops(shape, [T] * B, int(mask[:, 1:].sum()), lora_r=cfg.lora.r, checkpointing=checkpointing, head_recompute=True)
+    attention = shape.layers * shape.attn_flops(B * T * (T + 1) / 2) * (1 + 2 + checkpointing)
+    if checkpointing:
+        # Non-reentrant checkpointing stops re-running a layer once backward's saved tensors are back,
+        # so the layer's last LoRA matmul is not recomputed: 0.1% here.
+        assert counted == pytest.approx(f["total"] - attention, rel=2e-3)
+    else:
+        assert counted == f["total"] - attention
+
+
+def test_measurements_run_and_report_the_load(bounds):
+    s = bounds.Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+    m = bounds.measure(1, s, rows=4, train_rows=16, mb=8, repeats=1)
+    for key in ("torch_read_gbs", "torch_copy_gbs", "numpy_read_gbs", "numpy_copy_gbs", "decode_matmuls_gbs"):
+        assert m[key] > 0, key
+    assert set(m["sgemm_gflops"]) == {"square_2048", "decode_4x64x128", "head_4x64x512", "train_16x64x128"}
+    assert m["load"]["wall_s"] > 0 and "other_cores" in m["load"]

@@ -1,0 +1,95 @@
+"""The measuring pieces of benchmarks/step.py and friends: per-phase memory against a known
+allocation, the step's work from row lengths, the profile's grouping on a real torch.profiler
+trace, and host_overhead.py end to end on its 1-layer model."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def step():
+    return load_benchmark("step")
+
+
+def test_phase_memory_sees_a_known_allocation_above_idle(step):
+    mem = step.PhaseMemory()
+    mem.begin()
+    if mem.idle_mb != mem.idle_mb:  # NaN: no /proc/self/clear_refs here
+        pytest.skip("VmHWM cannot be reset on this kernel")
+    block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+    del block
+    mem.phase("big")
+    mem.phase("small")  # nothing allocated since the last phase's end
+    assert 195 <= mem.peaks["big"] <= 260
+    assert mem.peaks["small"] < 50
+    # The reset also clears getrusage's peak, so the process peak is kept across phases.
+    assert mem.peak_mb >= mem.idle_mb + 195
+
+
+def test_work_of_rows(step):
+    w = step.work_of([10, 12], [5, 8])
+    assert w == {"rows": 2, "tokens": 13, "decode_steps": 8, "context": 11 + 4, "lengths": [15, 20], "loss_tokens": 13}
+
+
+def test_profile_groups_a_real_trace():
+    prof_mod = load_benchmark("profiling")
+    from lldslight.policy import LoRAConfig, PolicyConfig, load_policy
+
+    model, _ = load_policy(PolicyConfig(dtype="float32", random_init={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                                      "num_attention_heads": 2, "num_key_value_heads": 1},
+                                        lora=LoRAConfig(r=2, alpha=4), gradient_checkpointing=False))
+    lm = model.get_base_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(0, 1000, (2, 6))
+    prof = prof_mod.StepProfiler(model)
+    with prof.window():
+        with prof_mod.label("rollout"), torch.no_grad():
+            out = lm.model(input_ids=ids, use_cache=True)  # prefill
+            logits = lm.lm_head(out.last_hidden_state[:, -1])
+            tok = torch.multinomial(torch.softmax(logits, -1), 1)
+            lm.model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)  # one decode step
+        with prof_mod.label("update"):
+            hidden = lm.model(input_ids=ids).last_hidden_state
+            loss = torch.log_softmax(lm.lm_head(hidden), -1).mean()
+            with prof_mod.label("backward"):
+                loss.backward()
+            opt.step()
+    shares = prof.shares()
+    groups = shares["groups"]
+    for g in ("generation: prefill", "generation: decode matmuls", "generation: vocab projection", "generation: sampling",
+              "update: log-prob forward (decoder)", "update: vocab projection", "update: vocab log-softmax/entropy",
+              "update: backward (with recompute)", "update: optimiser"):
+        assert g in groups and groups[g]["s"] > 0, g
+    assert sum(v["share"] for v in groups.values()) == pytest.approx(1.0)
+    # Hooks are gone after the window: a later forward is not labelled (no error, no region left open).
+    lm.model(input_ids=ids)
+
+
+def test_profile_grouping_rules():
+    prof_mod = load_benchmark("profiling")
+    g = prof_mod.group
+    assert g(("step", "rollout", "decoder: 1 token"), "matmul") == "generation: decode matmuls"
+    assert g(("step", "rollout", "decoder: 1 token"), "host") == "generation: decode host (module Python)"
+    assert g(("step", "rollout"), "softmax") == "generation: sampling"
+    assert g(("step", "rollout"), "other ops") == "generation: host bookkeeping"
+    # TRL nests generation inside its scoring inside its training_step: generation wins.
+    assert g(("step", "update", "log-probs", "rollout", "decoder: prefill"), "matmul") == "generation: prefill"
+    assert g(("step", "update", "backward", "vocab projection"), "matmul") == "update: backward (with recompute)"
+    assert g(("step",), "host") == "other (Lightning loop, callbacks)"
+
+
+def test_host_overhead_runs_end_to_end(tmp_path):
+    bench = load_benchmark("host_overhead")
+    out = tmp_path / "h.json"
+    report = bench.main(["--rounds", "1", "--new-tokens", "4", "--prompts", "1", "--group-size", "2", "--no-repeat", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["sides"]["generate"]["steps"]["median"] == 4  # forced to the token count
+    assert 1 <= saved["sides"]["engine"]["steps"]["median"] <= 4
+    assert saved["sides"]["engine"]["tokens"]["median"] <= 2 * 4
+    for a in saved["attempts"]:
+        assert a["load"]["wall_s"] > 0 and a["metrics"]["ms_per_step"] > 0
+    assert report["ratio"]["ratio_of_medians"] == pytest.approx(
+        saved["sides"]["engine"]["ms_per_step"]["median"] / saved["sides"]["generate"]["ms_per_step"]["median"])
