@@ -76,12 +76,13 @@ class Criteria:
     """The numbers of the collapse criteria (see the module docstring)."""
 
     decay_steps: int = 10
-    reward_smooth: int = 5
+    reward_smooth: int = 20
     fall_fraction: float = 0.5
     fall_steps: int = 10
     explode_factor: float = 10.0
     explode_window: int = 50
     explode_warmup: int = 10
+    delta_window: int = 100
 
 
 # --------------------------------------------------------------------------- detection (pure)
@@ -147,6 +148,28 @@ def explosions(steps: Sequence[int], grad_mean: Sequence[float], grad_max: Seque
     return out
 
 
+def replay_phases(frame, phases: dict):
+    """``frame`` with lld/phase and lld/warning recomputed by LLDMonitor's detector under other
+    PhaseConfig settings, fed exactly what the monitor fed it each step (lld/logp_pos, NaN when
+    unmeasured; train/grad_norm; train/entropy): judges runs logged with other settings alike."""
+    from lldslight.diagnostics import PhaseConfig, PhaseDetector
+
+    detector = PhaseDetector(PhaseConfig(**phases))
+    nan = [float("nan")] * len(frame)
+    signal, grad, entropy = (frame[c].tolist() if c in frame.columns else nan for c in ("lld/logp_pos", "train/grad_norm", "train/entropy"))
+    updates = [detector.update(float(x), float(g), float(e)) for x, g, e in zip(signal, grad, entropy)]
+    frame = frame.copy()
+    frame["lld/phase"] = [float(u.phase) for u in updates]
+    frame["lld/warning"] = [float(u.warning) for u in updates]
+    return frame
+
+
+def delta_share(delta: list[tuple[int, float]], start: float, end: float) -> dict:
+    """Steps with Delta < 0, steps measured and mean Delta over training steps in [start, end)."""
+    values = [d for s, d in delta if start <= s < end]
+    return {"negative": sum(d < 0 for d in values), "measured": len(values), "mean": sum(values) / len(values) if values else None}
+
+
 def detect(frame, crit: Criteria) -> dict:
     """The collapse events of one run's per-step metrics (a read_run frame of training steps)."""
     steps = [int(s) for s in frame.index]
@@ -172,15 +195,25 @@ def detect(frame, crit: Criteria) -> dict:
     events = [(s, cause) for s, cause in ((out["reward_fall"], "reward fall"), (out["explosion"], "gradient explosion")) if s is not None]
     out["collapsed"] = bool(events)
     out["collapse_step"], out["collapse_cause"] = min(events) if events else (None, None)
+    # Strict: the reward itself fell after the decay. A lone gradient spike after a decay meets the
+    # letter of the criteria, but a run whose reward never fell did not collapse in the paper's sense.
+    out["collapsed_by_fall"] = out["reward_fall"] is not None
     warnings = [s for s, w in zip(steps, column("lld/warning", 0.0)) if _finite(w) and w > 0]
     out["warnings"] = warnings
     out["first_warning"] = warnings[0] if warnings else None
     out["lead_time"] = out["collapse_step"] - warnings[0] if out["collapsed"] and warnings else None
     out["false_alarms"] = 0 if out["collapsed"] else len(warnings)
     end = out["collapse_step"] if out["collapsed"] else steps[-1] + 1 if steps else 0
-    delta = [(s, d) for s, d in zip(steps, column("lld/delta_correct")) if _finite(d) and s < end]
-    out["delta_negative_before"] = sum(d < 0 for _, d in delta)
-    out["delta_measured_before"] = len(delta)
+    delta = [(s, d) for s, d in zip(steps, column("lld/delta_correct")) if _finite(d)]
+    before = delta_share(delta, -math.inf, end)
+    out["delta_negative_before"], out["delta_measured_before"] = before["negative"], before["measured"]
+    # Concentration (PAPER.md §3: the displacement builds up before the fall): Delta over the
+    # ``delta_window`` steps before the reference step vs over the steps before those. Reference:
+    # the collapse, else a reward fall without decay, else the end of the run.
+    reference = out["collapse_step"] if out["collapsed"] else out["reward_fall_any"] if out["reward_fall_any"] is not None else end
+    out["delta_reference"] = reference
+    out["delta_window"] = delta_share(delta, reference - crit.delta_window, reference)
+    out["delta_earlier"] = delta_share(delta, -math.inf, reference - crit.delta_window)
     return out
 
 
@@ -191,8 +224,9 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / arm / f"seed{seed}" / "version_0"
 
 
-def summarise_run(path: Path, crit: Criteria) -> dict:
-    """Every number of one finished run: collapse events (``detect``), dev EM, trends, wall time."""
+def summarise_run(path: Path, crit: Criteria, phases: Optional[dict] = None) -> dict:
+    """Every number of one finished run: collapse events (``detect``; with ``phases``, on the phase
+    detector replayed with those PhaseConfig settings), dev EM, trends, wall time."""
     frame = read_run(path)
     summary_json = path / "summary.json"
     summary = json.loads(summary_json.read_text()) if summary_json.exists() else {}
@@ -207,7 +241,7 @@ def summarise_run(path: Path, crit: Criteria) -> dict:
     frame = frame[frame["train/reward"].notna()]  # training steps only (evaluation rows are logged apart)
     result["steps"] = int(len(frame))
     result["signal_steps"] = int((frame["lld/n_pos"].fillna(0) > 0).sum()) if "lld/n_pos" in frame.columns else int(frame["lld/logp_pos"].notna().sum())
-    result.update(detect(frame, crit))
+    result.update(detect(replay_phases(frame, phases) if phases else frame, crit))
     third = max(1, len(frame) // 3)
     for name, col in (("reward", "train/reward"), ("logp_pos", "lld/logp_pos"), ("entropy", "train/entropy"),
                       ("zero_var_groups", "train/zero_var_groups"), ("gate_open_actions", "lld/gate_open_actions")):
@@ -411,9 +445,10 @@ def _stop_children(*_) -> None:
     sys.exit(143)
 
 
-def run_child(name: str, cmd: list[str], log_path: Path, threads: Optional[int] = None) -> float:
+def run_child(name: str, cmd: list[str], log_path: Path, threads: Optional[int] = None) -> tuple[float, float]:
     """Run one child process, its output teed to ``log_path``; its [lldslight] lines are echoed.
-    Returns the wall time; raises RuntimeError when it fails."""
+    Returns (wall seconds, CPU seconds of the child: user + system); raises RuntimeError when it fails.
+    CPU seconds are what a run costs on a shared machine, where wall seconds mean little."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
@@ -432,7 +467,10 @@ def run_child(name: str, cmd: list[str], log_path: Path, threads: Optional[int] 
                 tail = (tail + [line])[-40:]
                 if line.startswith("[lldslight]") or "Error" in line:
                     print(f"    {name}| " + line.rstrip(), flush=True)
-            code = proc.wait()
+            # wait4 instead of wait: the child's own resource usage (Popen keeps none)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = code = os.waitstatus_to_exitcode(status)
+            cpu = usage.ru_utime + usage.ru_stime
         finally:
             _RUNNING.discard(proc)
             if proc.poll() is None:  # interrupted: never leave an orphaned training run behind
@@ -442,8 +480,8 @@ def run_child(name: str, cmd: list[str], log_path: Path, threads: Optional[int] 
     if code != 0:
         sys.stdout.write("".join(tail))
         raise RuntimeError(f"exit {code}; log: {log_path}")
-    print(f"    {name} done in {wall / 60:.1f} min", flush=True)
-    return wall
+    print(f"    {name} done in {wall / 60:.1f} min ({cpu / 60:.1f} CPU min)", flush=True)
+    return wall, cpu
 
 
 # The supervised warm start every run begins from (lldslight/sft.py): SmolLM2-135M-Instruct never
@@ -486,6 +524,21 @@ def prepare_warm_start(recipe: str, out: Path, sft_args: list[str]) -> Path:
     return model_dir
 
 
+def build_lab_policy(recipe: str, out: Path) -> Path:
+    """Build the recipe's own small policy (``model.policy.model``) with benchmarks/lab/make_policy.py:
+    a BPE tokenizer and a ~1M-weight Llama warm-started from scratch on the recipe's knowledge base;
+    deterministic and cached (a second call only checks the cache)."""
+    import yaml
+
+    model = yaml.safe_load((ROOT / recipe).read_text())["model"]["policy"]["model"]
+    cmd = [sys.executable, str(ROOT / "benchmarks/lab/make_policy.py"), "--config", recipe, "--out", model]
+    try:
+        run_child("lab policy", cmd, out / "logs" / "lab_policy.log", threads=1)
+    except RuntimeError as err:
+        raise SystemExit(f"collapse: building the lab policy failed ({err})") from None
+    return ROOT / model
+
+
 def run_all(commands: dict[tuple[str, int], list[str]], out: Path, jobs: int, threads: int) -> dict[str, dict]:
     """Every run, ``jobs`` at a time with ``threads`` threads each; a failed run is recorded, not fatal."""
     results: dict[str, dict] = {}
@@ -495,7 +548,7 @@ def run_all(commands: dict[tuple[str, int], list[str]], out: Path, jobs: int, th
         name = f"{arm}/seed{seed}"
         entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:])}
         try:
-            entry["wall_s"] = run_child(name, commands[key], out / "logs" / f"{arm}_seed{seed}.log", threads)
+            entry["wall_s"], entry["cpu_s"] = run_child(name, commands[key], out / "logs" / f"{arm}_seed{seed}.log", threads)
         except RuntimeError as err:
             entry["error"] = str(err)
 
@@ -526,6 +579,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only redo collapse.{json,md,png} from the runs in OUT")
     parser.add_argument("--force", action="store_true", help="delete a run's previous output in OUT first")
     parser.add_argument("--no-warm-start", action="store_true", help="train the recipe's model as is (no supervised warm start)")
+    parser.add_argument("--lab-policy", action="store_true",
+                        help="build the recipe's model with benchmarks/lab/make_policy.py first (cached; no sft warm start), as configs/lab/base.yaml needs")
     parser.add_argument("--sft-args", default=None, help="arguments of `lldslight sft` for the warm start, one string (default: WARM_START)")
     for field, value in asdict(Criteria()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value, help=f"collapse criterion (default {value})")
@@ -541,11 +596,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for path in [recipe] + [ARMS[a][1] for a in args.arms] + args.extra_configs:
         if not (ROOT / path).is_file():
             raise SystemExit(f"collapse: config not found: {path} (relative to {ROOT})")
-    if args.no_warm_start:
+    if args.no_warm_start or args.lab_policy:
         warm_start = None
     else:
         warm_start = shlex.split(args.sft_args) if args.sft_args is not None else WARM_START["smoke" if args.smoke else "full"]
     meta = {
+        "invocation": "python benchmarks/collapse.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
         "recipe": recipe, "warm_start": warm_start, "seeds": seeds, "arms": args.arms, "jobs": args.jobs, "threads": args.threads,
         "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides, "runs": {},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(), "processor": platform.processor()},
@@ -568,6 +624,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             shutil.rmtree(previous_run)
     t0 = time.perf_counter()
     meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.lab_policy:
+        meta["lab_policy"] = str(build_lab_policy(recipe, out))
     if warm_start is not None:
         # the warm-started weights replace the recipe's model (and its random init, in the smoke run)
         model_dir = prepare_warm_start(recipe, out, warm_start)
