@@ -11,6 +11,7 @@ import pytest
 from conftest import load_benchmark
 
 NAN = float("nan")
+# The hand-worked runs assume 5-step reward smoothing (collapse.py defaults to 20: lab steps are noisy).
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def collapsing_run() -> dict[str, list]:
 
 
 def test_a_collapse_with_warning_lead_and_mechanism(collapse) -> None:
-    r = collapse.detect(frame_of(collapsing_run()), collapse.Criteria())
+    r = collapse.detect(frame_of(collapsing_run()), collapse.Criteria(reward_smooth=5))
     # measured decay steps 20-24, 26-30 (25 unmeasured): confirmed at the 10th, step 30
     assert (r["decay_start"], r["decay_confirmed"]) == (20, 30)
     # smoothed over 5: k steps of 0.1 in the window: (0.8 (5 - k) + 0.1 k) / 5 <= 0.4 from k = 3, step 37
@@ -106,7 +107,7 @@ def test_a_collapse_with_warning_lead_and_mechanism(collapse) -> None:
 def test_no_collapse_without_ten_decay_steps_and_false_alarms_counted(collapse) -> None:
     s = collapsing_run()
     s["lld/phase"] = [0] * 10 + [1] * 10 + [2] * 6 + [1] * 34  # 20-25: five measured decay steps (25 unmeasured)
-    r = collapse.detect(frame_of(s), collapse.Criteria())
+    r = collapse.detect(frame_of(s), collapse.Criteria(reward_smooth=5))
     assert r["decay_start"] is None and not r["collapsed"]
     assert r["reward_fall_any"] == 37 and r["reward_fall"] is None  # fell, but not after a decay
     assert r["false_alarms"] == 1 and r["lead_time"] is None
@@ -120,7 +121,7 @@ def test_explosion_after_decay_is_a_collapse(collapse) -> None:
     s["train/grad_norm_max"][38] = NAN  # a non-finite norm: the guard vetoes it whatever the median
     s["train/grad_norm_max"][5] = 99.0  # in the guard's warm-up (5 of 10 steps seen): not judged
     s["train/grad_norm_max"][15] = 99.0  # > 10 x the median 1.0, but before the decay: not a collapse
-    r = collapse.detect(frame_of(s), collapse.Criteria())
+    r = collapse.detect(frame_of(s), collapse.Criteria(reward_smooth=5))
     assert r["explosion_steps"] == [15, 38] and r["explosion"] == 38
     assert r["collapsed"] and (r["collapse_step"], r["collapse_cause"]) == (38, "gradient explosion")
     assert r["lead_time"] == 6
@@ -141,7 +142,7 @@ def test_report_over_seeds_and_arms(collapse, tmp_path) -> None:
     write_run(collapse.run_dir(tmp_path, "grpo", 1), quiet)
     write_run(collapse.run_dir(tmp_path, "llds", 0), series(60), em=(0.25, 0.75))
     meta = {"recipe": "r.yaml", "runs": {"grpo/seed0": {"command": "fit ...", "wall_s": 1200.0}, "llds/seed1": {"error": "exit 1; log: x"}}}
-    payload = collapse.report(tmp_path, [("grpo", 0), ("grpo", 1), ("llds", 0), ("llds", 1)], collapse.Criteria(), meta)
+    payload = collapse.report(tmp_path, [("grpo", 0), ("grpo", 1), ("llds", 0), ("llds", 1)], collapse.Criteria(reward_smooth=5), meta)
     arms = payload["arms"]
     assert arms["grpo"] == {"runs": 2, "failed": 0, "collapses": 1, "mean_dev_em_after": pytest.approx(0.3125), "mean_lead_time": 5.0,
                             "warned_collapses": 1, "false_alarm_runs": 1, "false_alarms": 1}
@@ -160,7 +161,7 @@ def test_report_over_seeds_and_arms(collapse, tmp_path) -> None:
 
 def test_a_run_without_learning_signal_is_called_out(collapse, tmp_path) -> None:
     write_run(collapse.run_dir(tmp_path, "grpo", 3), series(12, **{"lld/n_pos": [0.0] * 12, "lld/logp_pos": [NAN] * 12}))
-    collapse.report(tmp_path, [("grpo", 3)], collapse.Criteria(), {})
+    collapse.report(tmp_path, [("grpo", 3)], collapse.Criteria(reward_smooth=5), {})
     assert "NO LEARNING SIGNAL in GRPO seed 3:" in (tmp_path / "collapse.md").read_text()
 
 
