@@ -129,6 +129,18 @@ def test_flashrag_r1searcher_variant(tmp_path: Path) -> None:
     assert (ex.id, ex.question, ex.golden_answers, ex.data_source) == ("3", "Who?", ["me"], "bamboo")
 
 
+def test_bare_number_answers_are_read_as_strings(tmp_path: Path) -> None:
+    # FlashRAG-style files store some years as bare numbers, alone or in a list
+    p = tmp_path / "years.jsonl"
+    p.write_text(json.dumps({"id": 1, "question": "When?", "answer": 1961}) + "\n"
+                 + json.dumps({"id": 2, "question": "When?", "golden_answers": [1962, "62"]}) + "\n")
+    a, b = read_flashrag_jsonl(p)
+    assert (a.golden_answers, b.golden_answers) == (["1961"], ["1962", "62"])
+    p.write_text(json.dumps({"id": 1, "question": "When?", "answer": True}) + "\n")
+    with pytest.raises(DataFormatError, match=r"years\.jsonl, row 0"):
+        read_flashrag_jsonl(p)
+
+
 # ----------------------------------------------------------------------------- errors
 
 

@@ -62,8 +62,9 @@ def as_list(value: Any) -> Optional[list]:
 
 
 def read_answers(value: Any, path: str | os.PathLike, row: int, field: str) -> list[str]:
-    """Gold answers from a list or a string; strings may hold aliases joined by ANSWER_SPLIT."""
-    if isinstance(value, str):
+    """Gold answers from a list, a string or a bare number (a year stored as 1961); strings may hold
+    aliases joined by ANSWER_SPLIT."""
+    if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
         items: list = [value]
     else:
         items = as_list(value)  # type: ignore[assignment]
