@@ -157,3 +157,24 @@ class KillAtStep(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+# The head every tiny `lldslight fit` run of the tests starts with (a str.format template: steps,
+# save_dir): CSV metrics every step, a SearchRollout over the tiny BM25 corpus; the test adds the
+# rollout's reward and settings, then its callbacks.
+TINY_RUN_HEAD = """trainer:
+  max_steps: {steps}
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {{save_dir: {save_dir}, name: tiny, flush_logs_every_n_steps: 1}}
+  callbacks:
+    - class_path: lldslight.callbacks.SearchRollout
+      init_args:
+        retriever:
+          class_path: lldslight.retrieval.BM25Retriever
+          init_args: {{corpus: .lldslight/tiny_data/corpus.jsonl}}
+"""
+# A callback line that kills the run during training step ``step`` (format: step).
+KILL = """    - class_path: run_helpers.KillAtStep
+      init_args: {{step: {step}}}
+"""

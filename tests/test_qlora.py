@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lldslight.policy import LoRAConfig, PolicyConfig, PolicyLoadError, load_policy, quantized_linears
+from run_helpers import KILL, TINY_RUN_HEAD
 from tests.conftest import ROOT, TINY_DIMS
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.50")
@@ -209,27 +210,12 @@ def test_adamw8bit_on_cpu_steps_like_adamw():
 
 # -- the real CLI: configs/tiny.yaml + configs/qlora.yaml -------------------------------------------
 
-RUN = """
-trainer:
-  max_steps: {steps}
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args: {{save_dir: {save_dir}, name: tiny, flush_logs_every_n_steps: 1}}
-  callbacks:
-    - class_path: lldslight.callbacks.SearchRollout
-      init_args:
-        retriever:
-          class_path: lldslight.retrieval.BM25Retriever
-          init_args: {{corpus: .lldslight/tiny_data/corpus.jsonl}}
-        reward: {{class_path: run_helpers.ParityReward}}
+RUN = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.ParityReward}}
         rollout: {{group_size: 2, max_turns: 2, max_new_tokens: 12, max_obs_tokens: 48, max_response_tokens: 120, topk: 2, temperature: 1.0}}
 {extra}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{save_last: true, every_n_train_steps: 1}}
 model:
   lr: 1.0e-3
-"""
-KILL = """    - class_path: run_helpers.KillAtStep
-      init_args: {{step: {step}}}
 """
 
 

@@ -22,23 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import KILL, TINY_RUN_HEAD
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL_AT = 4, 2  # the kill happens during step index 2, after checkpoints of steps 0 and 1
 
-CONFIG = """
-trainer:
-  max_steps: {steps}
-  logger:
-    class_path: lightning.pytorch.loggers.CSVLogger
-    init_args: {{save_dir: {save_dir}, name: tiny, flush_logs_every_n_steps: 1}}
-  callbacks:
-    - class_path: lldslight.callbacks.SearchRollout
-      init_args:
-        retriever:
-          class_path: lldslight.retrieval.BM25Retriever
-          init_args: {{corpus: .lldslight/tiny_data/corpus.jsonl}}
-        reward: {reward}
+CONFIG = TINY_RUN_HEAD + """        reward: {reward}
         rollout: {{group_size: 2, max_turns: 2, max_new_tokens: 12, max_obs_tokens: 48, max_response_tokens: 120, topk: 2, temperature: 1.0}}
         eval_before_fit: true
         eval_max_turns: 1
@@ -53,9 +42,6 @@ model:
 """
 DYNAMIC = """    - class_path: lldslight.callbacks.DynamicSampling
       init_args: {max_rounds: 3}
-"""
-KILL = """    - class_path: run_helpers.KillAtStep
-      init_args: {{step: {step}}}
 """
 
 
