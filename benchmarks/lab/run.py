@@ -5,7 +5,7 @@
 Runs ``lldslight fit --config configs/lab/base.yaml --config configs/<arm>.yaml [--config EXTRA ...]``
 single-threaded (OMP_NUM_THREADS=1, as benchmarks/collapse.py runs its arms), with CSV logs in
 runs/lab/NAME/version_0 and the output in runs/lab/NAME.log; then evaluates the collapse criteria
-(benchmarks/lab/criteria.py) and appends one JSON line to runs/lab/sweep.jsonl: the exact command,
+(benchmarks/collapse.py's summarise_run, the same criteria as the collapse report) and appends one JSON line to runs/lab/sweep.jsonl: the exact command,
 wall and CPU seconds (CPU seconds mean something on a shared machine; wall seconds do not), steps,
 steps per hour of wall and of CPU time, and the criteria.
 """
@@ -27,7 +27,7 @@ ARMS = {"grpo": "configs/grpo.yaml", "llds": "configs/llds.yaml", "none": None}
 
 
 def main(argv=None) -> int:
-    from benchmarks.lab.criteria import evaluate, line
+    from benchmarks.collapse import Criteria, summarise_run
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name")
@@ -65,12 +65,13 @@ def main(argv=None) -> int:
     row = {"name": args.name, "arm": args.arm, "seed": args.seed, "configs": args.config, "overrides": overrides, "note": args.note,
            "command": "lldslight " + " ".join(cmd[3:]), "exit": code, "wall_s": round(wall), "cpu_s": round(cpu)}
     if (run_dir / "metrics.csv").is_file():
-        crit = evaluate(run_dir)
-        row.update(crit)
-        steps = crit.get("steps", 0)
+        verdict = summarise_run(run_dir, Criteria())
+        row.update(verdict)
+        steps = verdict["steps"]
         row["steps_per_hour_wall"] = round(steps * 3600 / wall) if wall else None
         row["steps_per_hour_cpu"] = round(steps * 3600 / cpu) if cpu else None
-        print(line(crit), flush=True)
+        print(f"{steps} steps; decay from {verdict['decay_start']}; reward fall {verdict['reward_fall']} (any: "
+              f"{verdict['reward_fall_any']}); collapsed: {verdict['collapse_cause'] or 'no'}", flush=True)
     with open(ROOT / "runs/lab/sweep.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"exit {code}, wall {wall:.0f} s, cpu {cpu:.0f} s; log {log}", flush=True)
