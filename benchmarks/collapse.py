@@ -2,7 +2,7 @@
 collapsed, how early LLDMonitor warned, and what LLDS changed (PAPER.md §3-4; issue 15).
 
     python benchmarks/collapse.py                         # 3 seeds x 3 arms, 2 runs at a time, one thread each
-    python benchmarks/collapse.py --recipe configs/lab/base.yaml --no-warm-start --seeds 0 1 2
+    python benchmarks/collapse.py --recipe configs/lab/base.yaml --lab-policy --config configs/lab/schedule.yaml
     python benchmarks/collapse.py --smoke                 # a tiny model, 1 seed x 3 arms, a few minutes
     python benchmarks/collapse.py --report-only           # redo collapse.{json,md,png} from finished runs
 
@@ -12,14 +12,16 @@ recipe composed with its arm's config, with ``seed_everything`` and the data see
     llds_response: RECIPE + configs/llds_response.yaml
 RECIPE is ``--recipe`` (default benchmarks/collapse.yaml; benchmarks/collapse_smoke.yaml with
 --smoke); it must log LLDMonitor's lld/* columns (have the LLDMonitor callback). Unless
-``--no-warm-start``, every run starts from one supervised warm start (`lldslight sft`, WARM_START
-or ``--sft-args``; cached in OUT/warmstart) that replaces the recipe's model.
+``--no-warm-start`` or ``--lab-policy``, every run starts from one supervised warm start (`lldslight
+sft`, WARM_START or ``--sft-args``; cached in OUT/warmstart) that replaces the recipe's model;
+``--lab-policy`` builds the collapse lab's own small policy instead (benchmarks/lab/make_policy.py).
 
 A run COLLAPSED (issue 15's criteria; ``Criteria`` holds the numbers) when LLDMonitor's phase
 detector was in decay (lld/phase >= 2: steady decay or the acceleration that follows it) for
 ``decay_steps`` (10) consecutive measured steps (steps with a finite lld/logp_pos; unmeasured steps
 in between neither count nor break the run), and, from that decay's first step on, either
-- the reward fell: its trailing mean over ``reward_smooth`` (5) steps stayed <= ``fall_fraction``
+- the reward fell: its trailing mean over ``reward_smooth`` (20) steps (a lab step's reward is a
+  mean of 32 rollouts: noisy) stayed <= ``fall_fraction``
   (0.5) x its running peak for ``fall_steps`` (10) consecutive steps (the fall's step is the first
   of them), or
 - the gradient exploded: a step the GradientSpikeGuard would veto, i.e. its largest pre-clip grad
@@ -27,11 +29,13 @@ in between neither count nor break the run), and, from that decay's first step o
   mean norms (train/grad_norm) of the previous ``explode_window`` (50) steps with a non-zero
   gradient and no explosion, once ``explode_warmup`` (10) such steps are in; a step with a vetoed
   update (train/vetoed_updates > 0, when the guard is on) counts too.
-The collapse step is the first such event. Lead time = collapse step - the first lld/warning (the
+The collapse step is the first such event; ``collapsed_by_fall`` says whether the reward fell
+(a lone gradient spike after a decay, reward intact, meets the letter of the criteria only). Lead time = collapse step - the first lld/warning (the
 detector entering acceleration; negative = it came late; none = missed). False alarms = warnings
 in runs that did not collapse. The mechanism check: steps with Delta < 0 (lld/delta_correct, the
 step's own updates lowered the likelihood of its correct responses) before the collapse (or the
-end), out of the steps where Delta was measured.
+end), out of the steps where Delta was measured, and over the ``delta_window`` (100) steps before
+the collapse vs the steps before those (is the displacement concentrated before the fall?).
 
 Output in OUT (default runs/collapse[_smoke]): OUT/<arm>/seed<S>/version_0/ (metrics.csv, lld.png,
 summary.json), OUT/logs/<arm>_seed<S>.log, and collapse.json (every run, every number, the commands,
