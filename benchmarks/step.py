@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
     sides = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
-    pythons = {"lldslight": sys.executable}
+    pythons = dict.fromkeys(LLDSLIGHT_SIDES, sys.executable)
     if "trl" in sides:
         pythons["trl"] = ensure_trl_venv(args.trl_python)
     if args.profile:
