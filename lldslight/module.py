@@ -81,6 +81,17 @@ class GRPOModule(pl.LightningModule):
         logprob_chunk_size: positions per vocabulary-projection chunk; null sizes a chunk's fp32 logits
             to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
         shuffle_minibatches: shuffle rollouts before splitting into mini-batches.
+        minibatch_grouping: "rows" splits the (shuffled) rollouts into mini-batches; "prompts"
+            keeps each prompt's G rollouts together (whole groups are shuffled, then split), so an
+            update sees a group's right and wrong answers side by side: their gradients on shared
+            tokens cancel inside one update instead of across updates (the "cancellation" argument
+            of arXiv 2605.08666). Off by default, as in Search-R1 and the paper.
+        negative_advantages: a control for the collapse lab, not a recipe: "keep" (GRPO);
+            "drop" zeroes the policy gradient of rows with A < 0 (positive-only GRPO: are negative
+            gradients necessary for the collapse, the paper's Theorem 4.2?); "unshared" zeroes it
+            only on A < 0 tokens inside the longest prefix shared with a correct (A > 0) rollout
+            of the same group (the paper's specific LLD route; NTHR, arXiv 2505.18830, is related).
+            Normalisers are unchanged (zeroed tokens still count).
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
     """
@@ -111,6 +122,8 @@ class GRPOModule(pl.LightningModule):
         logprob_temperature: float = 1.0,
         logprob_chunk_size: Optional[int] = None,
         shuffle_minibatches: bool = True,
+        minibatch_grouping: Literal["rows", "prompts"] = "rows",
+        negative_advantages: obj.NegativeAdvantages = "keep",
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()
@@ -121,6 +134,8 @@ class GRPOModule(pl.LightningModule):
         require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
         require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
         require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
+        require(minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", minibatch_grouping)
+        require(negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'", negative_advantages)
         require(ratio_clamp is None or ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null", ratio_clamp)
         self.policy_config = policy
         self.fsdp_config = fsdp

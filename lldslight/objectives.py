@@ -20,6 +20,7 @@ KLEstimator = Literal["k1", "k3"]
 LLDSGate = Literal["action", "response", "token"]
 LLDSNormaliser = Literal["preserving", "all"]
 BetaRule = Literal["paper", "official"]
+NegativeAdvantages = Literal["keep", "drop", "unshared"]
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -71,6 +72,46 @@ def clipped_surrogate(
     clipped = gamma.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     return loss, ratio, clipped < unclipped
+
+
+def shared_prefix_negatives(input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, group_id: Tensor, advantage: Tensor) -> Tensor:
+    """Model tokens [B, T] of A < 0 rows that lie inside the longest common prefix they share with
+    some A > 0 row of their group (the same tokens at the same positions from the start: a group's
+    rows share their prompt, so positions align). These are the tokens through which an incorrect
+    response pushes its negative gradient onto a correct one's identical first actions (the
+    paper's LLD route, Theorem 4.2; NTHR, arXiv 2505.18830, masks such tokens too)."""
+    B, T = input_ids.shape
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    real = attention_mask.bool()
+    for g in torch.unique(group_id).tolist():
+        rows = (group_id == g).nonzero()[:, 0]
+        neg = rows[advantage[rows] < 0]
+        pos = rows[advantage[rows] > 0]
+        if len(neg) == 0 or len(pos) == 0:
+            continue
+        # same[i, j, t]: row neg[i] and row pos[j] hold the same real token at t; the prefix runs
+        # while every position so far matched (cumulative product along T).
+        same = (input_ids[neg][:, None] == input_ids[pos][None]) & real[neg][:, None] & real[pos][None]  # [n, p, T]
+        prefix = same.to(torch.int32).cumprod(-1).bool().any(1)  # [n, T]
+        out[neg] = prefix & loss_mask[neg].bool()
+    return out
+
+
+def policy_gradient_weight(advantage: Tensor, mask: Tensor, mode: NegativeAdvantages, shared_prefix: Tensor | None = None) -> Tensor | None:
+    """Per-token weight [B, T] of the policy-gradient term under a negative-gradient control, or
+    None for plain GRPO ("keep"). "drop": rows with A < 0 get weight 0 (positive-only GRPO: are
+    negative gradients necessary for the collapse?); "unshared": A < 0 tokens inside a shared
+    prefix (``shared_prefix_negatives``) get weight 0. The normalisers are unchanged: a zeroed
+    token still counts in its row's and the mini-batch's totals, so only the gradient changes."""
+    if mode == "keep":
+        return None
+    if mode == "drop":
+        return (advantage >= 0).to(torch.float32).unsqueeze(-1).expand(mask.shape)
+    if mode == "unshared":
+        if shared_prefix is None:
+            raise ValueError("policy_gradient_weight('unshared') needs the shared-prefix mask")
+        return (~shared_prefix).to(torch.float32)
+    raise ValueError(f"unknown negative_advantages {mode!r}: use 'keep', 'drop' or 'unshared'")
 
 
 def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation, normaliser: float | Tensor) -> Tensor:

@@ -340,10 +340,17 @@ class RolloutEngine:
         inflight: Optional[Future] = None
         with ThreadPoolExecutor(1, thread_name_prefix="lldslight-retrieval") as pool:
 
+            # Deterministic mode (trainer.deterministic: true): each retrieval call is waited for
+            # where it is sent, so which rows share a decode batch (and so the arithmetic of every
+            # forward) depends on the step, not on how fast the search came back.
+            by_step = torch.are_deterministic_algorithms_enabled()
+
             def send() -> None:
                 nonlocal inflight, queue
                 if inflight is None and queue:
                     inflight, queue = pool.submit(self._search, queue), []
+                    if by_step:
+                        wait([inflight])
 
             while True:
                 if inflight is not None and inflight.done():  # 2

@@ -135,7 +135,7 @@ class RolloutUpdates:
 
 def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, scheduler) -> RolloutUpdates:
     hp = module.hparams
-    order = torch.randperm(len(traj)) if hp.shuffle_minibatches else torch.arange(len(traj))
+    order = minibatch_order(traj.group_id.cpu(), hp.shuffle_minibatches, hp.get("minibatch_grouping", "rows") == "prompts")
     minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
     hostmem.trim()  # what the rollout freed: the update's peak starts from the idle process
     t0 = time.perf_counter()
@@ -162,6 +162,16 @@ def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, schedule
     return RolloutUpdates(traj, summed, shared, lr, timings)
 
 
+def minibatch_order(group_id: Tensor, shuffle: bool, by_prompt: bool) -> Tensor:
+    """The order rows are split into mini-batches in: shuffled rows, or whole groups shuffled
+    with each group's rows kept contiguous (``minibatch_grouping: prompts``)."""
+    if not by_prompt:
+        return torch.randperm(len(group_id)) if shuffle else torch.arange(len(group_id))
+    groups = torch.unique(group_id)  # sorted; one draw per group keeps the RNG use small
+    groups = groups[torch.randperm(len(groups))] if shuffle else groups
+    return torch.cat([(group_id == g).nonzero()[:, 0] for g in groups.tolist()])
+
+
 # -- 1. prepare: advantages, old and reference log-probs ---------------------------------------------
 
 
@@ -182,9 +192,15 @@ def prepare(module: "GRPOModule", traj: Trajectory, onpolicy_rows: Optional[Tens
         pending[:] = False
     else:
         old_logp = batch_logprobs(module, traj, reference=False, rows=(~pending).nonzero()[:, 0])
+    advantage = obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std)
+    negatives = hp.get("negative_advantages", "keep")
+    shared = None
+    if negatives == "unshared":
+        shared = obj.shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, advantage)
     return dataclasses.replace(
         traj,
-        advantage=obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std),
+        advantage=advantage,
+        pg_weight=obj.policy_gradient_weight(advantage, traj.loss_mask, negatives, shared),
         old_logp=old_logp,
         ref_logp=batch_logprobs(module, traj, reference=True) if hp.kl_coef > 0 else None,
         old_logp_pending=pending.to(traj.input_ids.device) if bool(pending.any()) else None,
@@ -311,6 +327,8 @@ def micro_batch_loss(
     pg, ratio, clipped = obj.clipped_surrogate(
         logp, old_logp, sub.advantage, hp.clip_eps, hp.clip_eps_high, hp.get("ratio_clamp")
     )
+    if sub.pg_weight is not None:
+        pg = pg * sub.pg_weight  # a negative-gradient control: the weight changes the gradient, not the normaliser
     pg_loss = obj.aggregate(pg, mask, hp.aggregation, n)
     loss = pg_loss
     stats: dict[str, Tensor | float] = {

@@ -1,0 +1,100 @@
+"""lldslight.collapse on hand-built series: each expected step is worked out by hand in the test."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pandas as pd
+import pytest
+
+from lldslight import collapse as C
+
+CRIT = C.CollapseCriteria(smooth=2, hold=3, mode_window=4)
+
+
+def test_trailing_mean_and_peak_by_hand():
+    assert C.trailing_mean([1, 3, float("nan"), 5], 2)[1:] == [2.0, 3.0, 5.0]
+    assert math.isnan(C.trailing_mean([1, 3], 2)[0])
+    assert C.running_peak([float("nan"), 1, 0.5, 2])[1:] == [1, 1, 2]
+
+
+def test_reward_collapse_step_by_hand():
+    # trailing-2 means: -, .8, .8, .6, .3, .2, .2, .2 ; peak .8, half .4 -> low from index 4
+    reward = [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2]
+    c = C.find_collapse(reward, None, CRIT)
+    assert (c.collapsed, c.index, c.cause) == (True, 4, "reward")
+
+
+def test_a_dip_shorter_than_hold_is_not_a_collapse():
+    reward = [0.8, 0.8, 0.1, 0.1, 0.8, 0.8, 0.8, 0.8]  # trailing low at indices 2,3 only (< hold 3)
+    assert not C.find_collapse(reward, None, CRIT).collapsed
+
+
+def test_answered_collapse_comes_first_and_is_death():
+    reward = [0.5] * 10
+    answered = [1, 1, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]  # trailing .6 at 2, then .2 from 3
+    c = C.find_collapse(reward, answered, CRIT, tool_call=[1.0] * 10, steps=list(range(100, 110)))
+    assert (c.collapsed, c.index, c.step, c.cause, c.mode) == (True, 3, 103, "answered", "death")
+
+
+def test_decay_when_the_agent_keeps_searching_and_answering():
+    reward = [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2]
+    c = C.find_collapse(reward, [0.95] * 8, CRIT, tool_call=[0.9] * 8)
+    assert (c.collapsed, c.mode) == (True, "decay")
+    c = C.find_collapse(reward, [0.95] * 8, CRIT, tool_call=[0.9] * 5 + [0.1] * 3)
+    assert c.mode == "death"  # it stopped searching within the mode window
+
+
+def test_explosions_like_with_like_and_zero_gradients_ignored():
+    crit = C.CollapseCriteria(explode_warmup=3, explode_window=5)
+    # zeros (all groups tied) do not drag the median down: median of [1,1,1] is 1, so 5 is no
+    # explosion; 20 is (> 10 x 1); a NaN step is not logged; inf always explodes.
+    grad = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 20.0, float("nan"), float("inf")]
+    assert C.explosions(grad, crit) == [7, 9]
+    # With the zeros counted the median would be 0 and every step a spike: the bug this avoids.
+
+
+def test_summarise_a_frame():
+    frame = pd.DataFrame({"train/reward": [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2], "train/answered_rate": [1.0] * 8,
+                          "diag/tool_call_rate": [1.0] * 8, "lld/delta_correct": [0.1, -0.1, float("nan"), -0.2] + [0.1] * 4},
+                         index=range(10, 18))
+    s = C.summarise(frame, CRIT, final_window=4)
+    assert s["collapsed"] and s["step"] == 14 and s["mode"] == "decay"
+    assert s["peak_reward"] == pytest.approx(0.8) and s["final_reward"] == pytest.approx(0.2)
+    assert s["delta_negative_share"] == pytest.approx(2 / 7)
+
+
+def test_fisher_matches_the_hypergeometric_sum():
+    # 5/5 vs 1/5: P(X >= 5) with X ~ Hypergeom(10 runs, 6 collapses, 5 drawn) = C(6,5)C(4,0)/C(10,5)
+    assert C.fisher_one_sided(5, 5, 1, 5) == pytest.approx(6 / 252)
+    assert C.fisher_one_sided(2, 3, 0, 3) == pytest.approx(0.2)  # the old lab's 2 of 3 vs 0 of 3
+
+
+def test_sign_test_and_permutation_by_hand():
+    assert C.sign_test([(1, 2)] * 5)["p"] == pytest.approx(1 / 32)
+    r = C.sign_test([(1, 2), (2, 1), (3, 3)])
+    assert (r["wins"], r["losses"], r["ties"]) == (1, 1, 1)
+    # diffs 1, 2, 3: of the 8 sign flips only (+,+,+) reaches the observed mean 2
+    res = C.paired_permutation([0, 0, 0], [1, 2, 3])
+    assert res["mean_diff"] == pytest.approx(2.0) and res["p"] == pytest.approx(1 / 8)
+    flips = [sum(s * d for s, d in zip(signs, (1, -2, 3))) for signs in itertools.product((1, -1), repeat=3)]
+    assert C.paired_permutation([0, 0, 0], [1, -2, 3])["p"] == pytest.approx(sum(f >= 2 - 1e-12 for f in flips) / 8)
+
+
+def test_rmst_by_hand():
+    # Two runs, horizon 10: one collapses at 4, one censored at 10. KM: S=1 on [0,4), S=1/2 on [4,10).
+    assert C.rmst([4, 10], [True, False], 10) == pytest.approx(4 + 0.5 * 6)
+    assert C.rmst([10, 10], [False, False], 10) == pytest.approx(10)
+    d = C.rmst_difference([(4, True), (4, True)], [(10, False), (10, False)], 10, n_boot=200)
+    assert d["diff"] == pytest.approx(6) and d["low"] == pytest.approx(6) and d["high"] == pytest.approx(6)
+
+
+def test_time_to_collapse_censors_at_the_horizon():
+    assert C.time_to_collapse({"collapsed": True, "step": 300, "last_step": 599}, 600) == (300.0, True)
+    assert C.time_to_collapse({"collapsed": True, "step": 650, "last_step": 699}, 600) == (600.0, False)
+    assert C.time_to_collapse({"collapsed": False, "last_step": 599}, 600) == (600.0, False)
+
+
+def test_criteria_reject_bad_values():
+    with pytest.raises(ValueError, match="fall_fraction"):
+        C.CollapseCriteria(fall_fraction=1.5)
