@@ -91,6 +91,31 @@ def test_pages_link_each_other():
     assert not orphans, f"pages the README does not link: {orphans}"
 
 
+def test_readme_commands_and_yaml(tmp_path, monkeypatch):
+    """.ci/run calls the README's test command; the README's composition YAML builds on demo.yaml."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lldslight.callbacks import LLDS, GradientSpikeGuard, LLDMonitor, SearchRollout
+    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.module import GRPOModule
+
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/test.sh" in readme and "bash scripts/demo.sh" in readme
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if "lldslight.callbacks.LLDS" in b)
+    (tmp_path / "my_run.yaml").write_text(block)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lldslight"])
+    cli = LightningCLI(
+        GRPOModule, SearchQADataModule, run=False, trainer_defaults=TRAINER_DEFAULTS, save_config_callback=None,
+        auto_configure_optimizers=False, args=["--config", str(ROOT / "configs" / "demo.yaml"), "--config", "my_run.yaml"],
+    )
+    kinds = {type(c) for c in cli.trainer.callbacks}
+    assert {SearchRollout, LLDS, LLDMonitor, GradientSpikeGuard} <= kinds
+    assert cli.model.hparams.updates_per_rollout == 4
+
+
 def test_slug_rules():
     assert slug("Speed and memory vs TRL (CPU)") == "speed-and-memory-vs-trl-cpu"
     assert slug("The runner and its criteria") == "the-runner-and-its-criteria"
