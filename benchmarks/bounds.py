@@ -260,7 +260,7 @@ def step_fractions(m: dict[str, Any], shape: Shape, step: dict[str, float], lora
 
 
 def update_variants(shape: Shape, lengths: list[int], loss_tokens: int, lora_r: int, top_layers: int = 4) -> dict[str, float]:
-    """GFLOP of one update under the choices the issue lists (LoRA everywhere or on the top
+    """GFLOP of one update under the alternatives step.py compares (LoRA everywhere or on the top
     layers; with and without gradient checkpointing; full fine-tuning for scale)."""
     out = {}
     for name, kw in (("lora_all_ckpt", dict(lora_r=lora_r, checkpointing=True)),

@@ -1,5 +1,5 @@
 """The collapse lab: N seeds x arms of `lldslight fit` side by side, then per run whether and when GRPO
-collapsed, how early LLDMonitor warned, and what LLDS changed (PAPER.md §3-4; issue 15).
+collapsed, how early LLDMonitor warned, and what LLDS changed (docs/collapse_lab.md).
 
     python benchmarks/collapse.py                         # 3 seeds x 3 arms, 2 runs at a time, one thread each
     python benchmarks/collapse.py --recipe configs/lab/base.yaml --lab-policy --config configs/lab/schedule.yaml
@@ -16,7 +16,7 @@ RECIPE is ``--recipe`` (default benchmarks/collapse.yaml; benchmarks/collapse_sm
 sft`, WARM_START or ``--sft-args``; cached in OUT/warmstart) that replaces the recipe's model;
 ``--lab-policy`` builds the collapse lab's own small policy instead (benchmarks/lab/make_policy.py).
 
-A run COLLAPSED (issue 15's criteria; ``Criteria`` holds the numbers) when LLDMonitor's phase
+A run COLLAPSED (the lab's criteria; ``Criteria`` holds the numbers) when LLDMonitor's phase
 detector was in decay (lld/phase >= 2: steady decay or the acceleration that follows it) for
 ``decay_steps`` (10) consecutive measured steps (steps with a finite lld/logp_pos; unmeasured steps
 in between neither count nor break the run), and, from that decay's first step on, either
@@ -211,7 +211,7 @@ def detect(frame, crit: Criteria) -> dict:
     delta = [(s, d) for s, d in zip(steps, column("lld/delta_correct")) if _finite(d)]
     before = delta_share(delta, -math.inf, end)
     out["delta_negative_before"], out["delta_measured_before"] = before["negative"], before["measured"]
-    # Concentration (PAPER.md §3: the displacement builds up before the fall): Delta over the
+    # Concentration (docs/algorithm.md §3: the displacement builds up before the fall): Delta over the
     # ``delta_window`` steps before the reference step vs over the steps before those. Reference:
     # the collapse, else a reward fall without decay, else the end of the run.
     reference = out["collapse_step"] if out["collapsed"] else out["reward_fall_any"] if out["reward_fall_any"] is not None else end

@@ -12,7 +12,7 @@ In-process and server calls are timed in alternating blocks on the same queries,
 and concurrent clients in alternating rounds, so a load change on this shared machine hits both
 sides of every comparison alike.
 
-Targets (the issue's, for MiniLM): dense build >= 250 passages/s; 8 concurrent one-query clients
+Targets (set for MiniLM): dense build >= 250 passages/s; 8 concurrent one-query clients
 >= 2x one sequential client; server overhead at batch 1 (server median - in-process median) <= 3 ms
 (held for BM25 too). The encoder alone is also timed on corpus passages and on short sentences,
 with their token counts and the FLOP rate that implies, next to this CPU's fp32 matmul ceiling:
@@ -295,7 +295,7 @@ def report(results: list[dict[str, Any]], desc: str) -> None:
         dense = r["retriever"] == "dense"
         built = r["build_pps"] is not None
         rounds = ", ".join(f"{x:.2f}" for x in c["ratios"])
-        # The targets are for MiniLM: a BM25 query has no encoder batch for concurrent
+        # The targets are MiniLM's: a BM25 query has no encoder batch for concurrent
         # requests to share, so its ratio is reported, not held to 2x.
         checks = [
             ("build passages/s", f"{r['build_pps']:.0f}" if built else "(index reused)", ">= 250" if dense else "-",

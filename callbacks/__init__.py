@@ -1,4 +1,5 @@
 """Your own callbacks live here (or in any module importable from where you run ``lldslight``).
 
-Name them in YAML by ``class_path`` (see callbacks/README.md and configs/demo_with_table.yaml).
+Name them in YAML by ``class_path``; ``trajectory_table.py`` is the worked example, and
+docs/architecture.md ("Your own reward or callback") says what a callback can read and register.
 """

@@ -1,5 +1,5 @@
 """Lazy-likelihood-displacement diagnostics as pure functions, and the death-spiral phase detector
-(PAPER.md §3).
+(docs/algorithm.md §3; docs/diagnostics.md).
 
 Everything here works on plain tensors and floats (torch only, no Lightning), so each number can be
 checked on hand-built trajectories. Shapes as in objectives.py: per-token tensors are [B, T] and
@@ -235,7 +235,7 @@ def ols_fit(values: Sequence[float]) -> tuple[float, float]:
 
 @dataclass
 class PhaseConfig:
-    """Thresholds of the death-spiral phase detector (PAPER.md §3). Units: the signal is a mean
+    """Thresholds of the death-spiral phase detector (docs/diagnostics.md, Phases). Units: the signal is a mean
     per-token log-prob (nats), so slopes are nats per token per training step.
 
     Args:

@@ -1,4 +1,4 @@
-"""GRPOModule: the policy and its frozen reference, orchestrated for GRPO (DESIGN.md, step 3).
+"""GRPOModule: the policy and its frozen reference, orchestrated for GRPO (docs/architecture.md, One training step).
 
 This file sets up the models, the optimiser and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the

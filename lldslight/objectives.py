@@ -1,4 +1,4 @@
-"""The math of GRPO and LLDS as pure functions over tensors (PAPER.md §2 and §4).
+"""The math of GRPO and LLDS as pure functions over tensors (docs/algorithm.md §2 and §4).
 
 Shapes: B rows (one rollout each), T token positions. Per-token tensors are [B, T] and aligned
 with ``input_ids``: ``logp[b, t]`` is log pi(input_ids[b, t] | input_ids[b, :t]). ``mask`` is the
@@ -182,7 +182,7 @@ def llds_penalty(
     gate: LLDSGate = "action",
     token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old (PAPER.md §4).
+    """L_LLDS: a one-sided pull of preserved responses' likelihood back up to pi_old (docs/algorithm.md §4, docs/llds.md).
 
     d = old_logp - logp per token (> 0: its likelihood fell). Preserving set P = rows with A >= 0;
     only model tokens (``mask``) count. A token of P is *gated in* when the sum of d over its

@@ -1,4 +1,4 @@
-"""Answer extraction, SQuAD normalisation, EM/F1 and the pluggable reward (PAPER.md §1).
+"""Answer extraction, SQuAD normalisation, EM/F1 and the pluggable reward (docs/algorithm.md §1).
 
 A reward function is any callable ``(response: str, golden_answers: list[str]) -> float``; a
 config names it by ``class_path`` so users plug their own without touching the library.

@@ -1,4 +1,4 @@
-"""Multi-turn, search-augmented generation: the Search-R1 protocol (PAPER.md §1), token-in/token-out.
+"""Multi-turn, search-augmented generation: the Search-R1 protocol (docs/algorithm.md §1), token-in/token-out.
 
 Every rollout decodes a turn until ``</search>``, ``</answer>``, EOS or its token budget; then it
 ends, or an observation (the retrieved passages, or the invalid-action message) is appended and it

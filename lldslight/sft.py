@@ -11,7 +11,7 @@ Each gold trajectory is a ``Layout`` built with the rollout engine's own pieces 
 separately tokenised turns, ``observation_ids`` cut at ``max_obs_tokens``) and packed by its
 ``pack``, so the warm-started model learns exactly the token layout GRPO will later sample. The
 loss is cross-entropy on the model's own turns only; observation and prompt tokens carry none, as
-in RL (PAPER.md §1).
+in RL (docs/algorithm.md §1).
 
 The search queries are the question's supporting titles when the data has them (the synthetic
 knowledge base does: ``metadata.supporting_titles``), else the question itself. With

@@ -1,4 +1,4 @@
-"""The typed batch that flows from rollout to loss to metrics (DESIGN.md, Contracts).
+"""The typed batch that flows from rollout to loss to metrics (docs/architecture.md, Contracts).
 
 One row per rollout, right-padded. Per-token tensors are aligned with ``input_ids``: masks mark
 the token at the same position, and log-prob tensors hold log pi(input_ids[t] | input_ids[:t]).

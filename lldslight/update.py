@@ -1,4 +1,4 @@
-"""One rollout batch's GRPO updates, top to bottom (PAPER.md §2 and §4; DESIGN.md step 3).
+"""One rollout batch's GRPO updates, top to bottom (docs/algorithm.md §2 and §4; docs/architecture.md, One training step).
 
 rollout.py makes a Trajectory, this file turns it into optimiser updates, objectives.py holds the
 formulas. ``GRPOModule.training_step`` calls :func:`train_on_rollout` once per rollout batch:

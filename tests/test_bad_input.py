@@ -1,5 +1,5 @@
 """Bad input is caught before the policy loads and said once: ``lldslight <command>: error: ...``,
-exit 2, no traceback (issue 12, items 6-11). Every case drives the real CLI on real files, a real
+exit 2, no traceback (docs/errors_and_resume.md). Every case drives the real CLI on real files, a real
 retrieval server, a dead port or a server that never answers.
 
 "Before the policy loads" is shown with a model directory whose config and tokenizer are real and

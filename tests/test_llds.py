@@ -1,4 +1,4 @@
-"""LLDS (PAPER.md §4): the penalty worked out by hand per gate / normaliser / answer weight, its
+"""LLDS (docs/llds.md): the penalty worked out by hand per gate / normaliser / answer weight, its
 gradient, the callback (answer-masking beta, on-policy skip, single-update warning), the YAML
 composition with the base configs, and a tiny real fit where the term turns on."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The speed-ups of issue 6 change no number: chunked log-probs, the rollout's KV cache (growing
+"""The speed-ups (docs/speed.md) change no number: chunked log-probs, the rollout's KV cache (growing
 buffer, rows leaving mid-turn), on-policy old log-probs, micro-batches packed by tokens."""
 import copy
 

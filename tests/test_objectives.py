@@ -1,4 +1,4 @@
-"""The GRPO formulas on hand-computed tensors (PAPER.md §2)."""
+"""The GRPO formulas on hand-computed tensors (docs/algorithm.md §2)."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""The Search-R1 protocol text, byte for byte (PAPER.md §1)."""
+"""The Search-R1 protocol text, byte for byte (docs/algorithm.md §1)."""
 from lldslight.data.example import make_prompt
 from lldslight.retrieval.base import Passage
 from lldslight.rollout import INVALID_ACTION, format_observation, parse_action

@@ -1,5 +1,5 @@
-"""README "Real data and real retrieval": configs/searchr1_cpu.yaml builds as written, and runs end to
-end on ../shared/data against a real retrieval server (with a tiny random-init model in place of
+"""configs/searchr1_cpu.yaml, walked through in docs/data_and_retrieval.md, builds as written and runs
+end to end on ../shared/data against a real retrieval server (with a tiny random-init model in place of
 SmolLM2, so it takes seconds)."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_searchr1_cpu_config_instantiates_with_an_http_retriever():
     assert rollout.retriever.url == "http://127.0.0.1:8000/retrieve"
     assert rollout.config.group_size >= 2 and cli.trainer.max_steps > 0
     assert cli.datamodule.synthesize is None
-    # The data paths are the README's: ../shared/data relative to the repository root.
+    # The data paths are the page's: ../shared/data relative to the repository root.
     files = cli.datamodule.files["train"] + cli.datamodule.files["val"]
     assert files and all(f.startswith("../shared/data/") for f in files)
     assert all((ROOT / f).resolve() == ROOT.parent / "shared" / "data" / f.removeprefix("../shared/data/") for f in files)

@@ -1,5 +1,5 @@
 """The paper recipes (configs/recipes/*.yaml) parse through the real CLI, print their config, hold
-the paper's hyper-parameters (PAPER.md §2, §5), and instantiate (model swapped for the tiny one,
+the paper's hyper-parameters (docs/configuration.md, Paper recipes), and instantiate (model swapped for the tiny one,
 on CPU, one device) without training."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ all-reduced) and FSDP2 (the module reduces the sharded norm). Every rank sees th
 window, so every rank takes the same decision. A vetoed update changes neither the weights nor
 the optimiser state (the module zeroes the gradients and skips the step).
 
-Why: in the collapse phase of GRPO on search agents (PAPER.md §3) gradient norms spike while
+Why: in the collapse phase of GRPO on search agents (docs/algorithm.md §3) gradient norms spike while
 entropy explodes; one such update can wreck a run that a skipped update would have saved.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""LLDS: adds lambda * L_LLDS to the GRPO loss (PAPER.md §4), as a callback composed in YAML.
+"""LLDS: adds lambda * L_LLDS to the GRPO loss (docs/llds.md), as a callback composed in YAML.
 
 The formula is ``objectives.llds_penalty``; this file chooses its options, turns the rollout
 batch's V (computed once per rollout batch by update.py, over all ranks) into the LLDS-MA answer

@@ -1,4 +1,4 @@
-"""LLDMonitor: sees the death spiral coming (PAPER.md §3).
+"""LLDMonitor: sees the death spiral coming (docs/diagnostics.md).
 
 Reward is a lagging indicator of GRPO collapse; the likelihood of correct responses, entropy and
 the gradient norm lead it. After every training step this callback logs, under ``lld/*``:
@@ -196,7 +196,7 @@ class LLDMonitor(pl.Callback):
             print(
                 f"[lldslight] LLD EARLY WARNING at step {step}: the likelihood of correct responses is "
                 f"falling faster ({update.reason}); smoothed log-prob {update.smoothed:.4f}, slope "
-                f"{update.slope:.2e}/step. Reward usually collapses next (PAPER.md §3). action: {self.on_warning}",
+                f"{update.slope:.2e}/step. Reward usually collapses next (docs/diagnostics.md). action: {self.on_warning}",
                 flush=True,
             )
         if self.on_warning == "stop":

@@ -26,7 +26,7 @@ class SearchRollout(pl.Callback):
 
     Args:
         retriever: the search engine (BM25, dense, HTTP, or your own ``search(queries, k)``).
-        reward: scores a response against the gold answers; None = exact match (PAPER.md §1). Give
+        reward: scores a response against the gold answers; None = exact match (docs/algorithm.md §1). Give
             the ``class_path`` of your own callable class to plug in another.
         rollout: sampling settings for training.
         eval_max_turns: search rounds in evaluation.

@@ -1,4 +1,4 @@
-"""SearchQADataModule: question files in, batches of QAExample out (DESIGN.md, One training step).
+"""SearchQADataModule: question files in, batches of QAExample out (docs/architecture.md, One training step).
 
 Sharding is done here, not by Lightning: both samplers subclass ``DistributedSampler``, so
 Lightning never swaps in its own whatever ``Trainer(use_distributed_sampler=...)`` says. That is

@@ -1,4 +1,4 @@
-"""The record every data format is read into, and the Search-R1 prompt (PAPER.md §1)."""
+"""The record every data format is read into, and the Search-R1 prompt (docs/algorithm.md §1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""The synthetic knowledge base of the embedded demo (DESIGN.md, Embedded default).
+"""The synthetic knowledge base of the embedded demo (docs/data_and_retrieval.md, Formats).
 
 Fictional countries, cities, organisations, people and works with invented, syllable-composed
 names, short Wikipedia-style passages ("Title"\\ntext) and 1-hop / 2-hop / comparison questions.

@@ -1,4 +1,4 @@
-"""The Retriever contract every backend honours (DESIGN.md, Contracts), and the registry of backends
+"""The Retriever contract every backend honours (docs/architecture.md, Contracts), and the registry of backends
 by name ("bm25", "dense", "http") that the CLI and ``load_index`` use."""
 from __future__ import annotations
 

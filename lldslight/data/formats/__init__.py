@@ -1,4 +1,4 @@
-"""Readers and writers for every question and corpus format lldslight accepts (DESIGN.md, Contracts).
+"""Readers and writers for every question and corpus format lldslight accepts (docs/data_and_retrieval.md, Formats).
 
 One module per format: searchr1 (parquet), flashrag (jsonl), corpus (passages), multihop
 (HotpotQA, 2Wiki, MuSiQue), hf (Hugging Face datasets); common holds the error type and field
