@@ -177,6 +177,31 @@ def explosions(grad_max: Series, crit: CollapseCriteria = CollapseCriteria()) ->
     return out
 
 
+def read_metrics(path) -> "pandas.DataFrame":
+    """A run's per-step metrics, indexed by step (the rows Lightning writes apart for one step,
+    e.g. evaluation, merged): from a directory holding metrics.csv or metrics.csv.gz (the lab's
+    archive), or such a file. Errors name the file."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from lldslight.errors import MissingFileError, UserError
+
+    path = Path(path)
+    if path.is_dir():
+        found = [path / n for n in ("metrics.csv", "metrics.csv.gz") if (path / n).is_file()]
+        if not found:
+            raise MissingFileError(f"{path}: no metrics.csv or metrics.csv.gz")
+        path = found[0]
+    try:
+        frame = pd.read_csv(path)
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, EOFError) as err:
+        raise UserError(f"{path}: not a readable metrics CSV ({err})") from None
+    if "step" not in frame.columns:
+        raise UserError(f"{path}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")
+    return frame.dropna(subset=["step"]).groupby("step", sort=True).first()
+
+
 def column(frame, name: str) -> Optional[list[float]]:
     """A frame's column as floats (None when the run did not log it)."""
     if name not in getattr(frame, "columns", ()):

@@ -230,6 +230,7 @@ def warm_start(
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from lldslight.data.example import check_template, make_prompt
     from lldslight.data.formats import load_examples
     from lldslight.retrieval.bm25 import BM25Retriever
     from lldslight.retrieval.http import HttpRetriever
@@ -261,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help='build --model\'s architecture with these config changes and random weights (tests), e.g. \'{"num_hidden_layers": 2}\'')
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-template", default=None,
+                        help="user prompt with one {question} (default: Search-R1's); must equal the fit config's data.prompt_template")
     parser.add_argument("--force", action="store_true", help="retrain even when OUT already holds this warm start")
     args = parser.parse_args(argv)
 
@@ -271,6 +274,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     request = {"data": args.data, "corpus": args.corpus, "index": args.index, "retriever_url": args.retriever_url, "limit": args.limit,
                "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
                "policy": dataclasses.asdict(policy), "gold": dataclasses.asdict(gold)}
+    if args.prompt_template is not None:  # absent from the request otherwise: earlier warm starts stay cached
+        request["prompt_template"] = args.prompt_template
     marker = Path(args.out) / "lldslight_export.json"
     if marker.is_file() and not args.force:
         try:
@@ -288,6 +293,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # example) ends with one line naming it, as the other lldslight tools do, not a traceback.
     try:
         examples = [ex for path in args.data for ex in load_examples(path)]
+        if args.prompt_template is not None:
+            check_template(args.prompt_template, "--prompt-template")
+            for ex in examples:
+                ex.messages = [{"role": "user", "content": make_prompt(ex.question, args.prompt_template)}]
         if args.limit is not None:
             examples = examples[: args.limit]
         if args.corpus:
@@ -298,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             retriever = HttpRetriever(url=args.retriever_url)
         summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed,
                              meta={"request": request})
-    except (DataFormatError, RetrievalError, PolicyLoadError, FloatingPointError, ValueError) as e:
+    except (DataFormatError, RetrievalError, PolicyLoadError, FloatingPointError, ValueError) as e:  # ConfigError is a ValueError
         print(f"lldslight sft: error: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(summary["final_loss"]) else 1

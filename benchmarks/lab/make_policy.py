@@ -43,8 +43,9 @@ DEFAULT_ARCH = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers
                 "num_key_value_heads": 2, "max_position_embeddings": 1024}
 
 
-def tokenizer_texts(kb_dir: Path) -> list[str]:
+def tokenizer_texts(kb_dir: Path, prompt_template: str | None = None) -> list[str]:
     """What the policy reads and writes, in a fixed order (the BPE merges depend on the counts only)."""
+    from lldslight.data.example import make_prompt
     from lldslight.data.formats import load_examples
     from lldslight.retrieval.base import Passage
     from lldslight.rollout import INVALID_ACTION, format_observation
@@ -55,14 +56,14 @@ def tokenizer_texts(kb_dir: Path) -> list[str]:
         texts.append(format_observation([Passage(row["id"], row["contents"])]))
     for split in ("train", "dev", "test"):
         for ex in load_examples(kb_dir / f"{split}.jsonl"):
-            texts.append(ex.messages[0]["content"])
+            texts.append(make_prompt(ex.question, prompt_template) if prompt_template else ex.messages[0]["content"])
             texts += [f"<search> {t} </search>" for t in ex.meta.get("supporting_titles", [])]
             texts += [f"<answer> {a} </answer>" for a in ex.golden_answers]
     texts.append(INVALID_ACTION)
     return texts
 
 
-def build_tokenizer(kb_dir: Path, out: Path, vocab_size: int) -> Path:
+def build_tokenizer(kb_dir: Path, out: Path, vocab_size: int, prompt_template: str | None = None) -> Path:
     """Train the BPE tokenizer and save it as a transformers tokenizer directory."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -72,7 +73,7 @@ def build_tokenizer(kb_dir: Path, out: Path, vocab_size: int) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(tokenizer_texts(kb_dir), trainer=trainer)
+    tok.train_from_iterator(tokenizer_texts(kb_dir, prompt_template), trainer=trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=SPECIAL[0], bos_token=SPECIAL[1], eos_token=SPECIAL[2],
                                    pad_token=SPECIAL[2])
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
     kb = Path(synth["out_dir"])
     rollout = next(c["init_args"]["rollout"] for c in config["trainer"]["callbacks"] if c["class_path"].endswith("SearchRollout"))
     out = Path(args.out)
-    tok_dir = build_tokenizer(kb, out.parent / f"{out.name}_tokenizer", args.vocab_size)
+    template = (config.get("data") or {}).get("prompt_template")  # the fit's prompts, so the policy learns what it will read
+    tok_dir = build_tokenizer(kb, out.parent / f"{out.name}_tokenizer", args.vocab_size, template)
     base = build_base(tok_dir, out.parent / f"{out.name}_base", {**DEFAULT_ARCH, **args.arch})
     print(f"[lldslight] lab: tokenizer {tok_dir} (digest {_digest(tok_dir)}), untrained model {base}", flush=True)
     sft = ["--data", str(paths["train_jsonl"]), "--corpus", str(paths["corpus"]), "--model", str(base), "--out", str(out),
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
            "--epochs", str(args.epochs), "--lr", str(args.lr), "--batch-size", str(args.batch_size)]
     if args.limit is not None:
         sft += ["--limit", str(args.limit)]
+    if template is not None:
+        sft += ["--prompt-template", template]
     # sft's cache key names the base directory, not its contents: retrain when those changed.
     stamp, digest = out / "lab_base_digest", _digest(base)
     if args.force or not stamp.is_file() or stamp.read_text() != digest:

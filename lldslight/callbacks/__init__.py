@@ -3,7 +3,8 @@ from lldslight.callbacks.dynamic_sampling import DynamicSampling
 from lldslight.callbacks.guard import GradientSpikeGuard
 from lldslight.callbacks.llds import LLDS
 from lldslight.callbacks.monitor import LLDMonitor
+from lldslight.callbacks.probe import LLDProbe
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.callbacks.summary import RunSummary
 
-__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling"]
+__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling", "LLDProbe"]

@@ -75,6 +75,10 @@ class SearchRollout(pl.Callback):
             self._eval_engine = RolloutEngine(pl_module.tokenizer, self.retriever, self.reward, self.eval_config)
         return self._train_engine, self._eval_engine
 
+    def train_engine(self, pl_module) -> RolloutEngine:
+        """The engine training rollouts are sampled with (other callbacks, e.g. LLDProbe, sample with it too)."""
+        return self._engines(pl_module)[0]
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,

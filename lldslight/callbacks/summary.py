@@ -34,7 +34,22 @@ class RunSummary(pl.Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._steps.append(dict(getattr(pl_module, "last_step_metrics", {})))
+        step = dict(getattr(pl_module, "last_step_metrics", {}))
+        traj = getattr(pl_module, "last_rollout", None)
+        if traj is not None:  # for the collapse's failure mode: did the agent still search?
+            step["tool_call_rate"] = float((traj.num_searches > 0).float().mean())
+        self._steps.append(step)
+
+    def _collapse(self) -> dict:
+        from dataclasses import asdict
+
+        from lldslight.collapse import find_collapse
+
+        nan = float("nan")
+        reward = [s.get("train/reward", nan) for s in self._steps]
+        answered = [s.get("train/answered_rate", nan) for s in self._steps]
+        tool = [s.get("tool_call_rate", nan) for s in self._steps]
+        return asdict(find_collapse(reward, answered, tool_call=tool))
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
@@ -53,6 +68,8 @@ class RunSummary(pl.Callback):
             "dev_before": history.get("before", {}).get("overall"),
             "dev_after": history.get("after", {}).get("overall"),
             "dev_after_per_source": history.get("after", {}).get("per_source"),
+            # The collapse verdict of lldslight/collapse.py (reward / answered rate only, no detector).
+            "collapse": self._collapse(),
             "train_reward_first_last": [
                 self._steps[0].get("train/reward") if self._steps else None,
                 self._steps[-1].get("train/reward") if self._steps else None,
@@ -71,6 +88,8 @@ class RunSummary(pl.Callback):
             f"steps: {summary['steps']}   median step: rollout {t['rollout_s']:.1f}s (retrieval {t['retrieval_s']:.2f}s)"
             f" + log-probs {t['logprob_s']:.1f}s + updates {t['update_s']:.1f}s"
         )
+        c = summary["collapse"]
+        lines.append(f"collapse (docs/collapse_lab.md criteria): " + (f"yes, at step {c['step']} ({c['cause']}, {c['mode']})" if c["collapsed"] else "no"))
         lines.append(f"peak RSS: {summary['peak_rss_mb']:.0f} MiB   wall time: {summary['wall_time_s']:.0f}s")
         lines.append(f"metrics and summary.json: {out.parent}")
         ckpt = trainer.checkpoint_callback

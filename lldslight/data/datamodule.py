@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lldslight.data.example import QAExample
+from lldslight.data.example import QAExample, check_template, make_prompt
 from lldslight.data.formats import load_examples
 from lldslight.data.synth import synthesize as synthesize_kb
 from lldslight.errors import ConfigError, MissingFileError
@@ -205,6 +205,10 @@ class SearchQADataModule(pl.LightningDataModule):
         eval_batch_size: Prompts per validation / test batch.
         prompt_source: "template" rebuilds the user prompt from the question (Search-R1 template);
             "file" uses the file's own prompt when it has one, else the template.
+        prompt_template: the template "template" uses, with one ``{question}``; None = Search-R1's.
+            The collapse lab's from-scratch policy uses "Question: {question}\n": its
+            instruction preamble (~130 of its ~300 tokens) tells a model trained from random
+            weights nothing, and every update pays for it.
         shuffle: Shuffle training prompts (per epoch, from ``seed`` and the epoch number).
         seed: Seed of the training order.
         limit_train: Keep only the first N training examples (after loading, deterministic).
@@ -224,6 +228,7 @@ class SearchQADataModule(pl.LightningDataModule):
         batch_size: int = 4,
         eval_batch_size: int = 16,
         prompt_source: Literal["template", "file"] = "template",
+        prompt_template: Optional[str] = None,
         shuffle: bool = True,
         seed: int = 0,
         limit_train: Optional[int] = None,
@@ -241,6 +246,9 @@ class SearchQADataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.prompt_source = prompt_source
+        if prompt_template is not None:
+            check_template(prompt_template, "data.prompt_template")
+        self.prompt_template = prompt_template
         self.shuffle = shuffle
         self.seed = seed
         self.limits = {"train": limit_train, "val": limit_val, "test": limit_test}
@@ -290,6 +298,8 @@ class SearchQADataModule(pl.LightningDataModule):
                 for ex in load_examples(f, data_source=self.data_sources.get(f)):
                     if self.prompt_source == "file" and ex.meta.get("file_messages"):
                         ex.messages = [dict(m) for m in ex.meta["file_messages"]]
+                    elif self.prompt_template is not None:
+                        ex.messages = [{"role": "user", "content": make_prompt(ex.question, self.prompt_template)}]
                     ex.split = ex.split or split
                     # Sequential over train, val, test files in order: unique, and the same for a
                     # given config whatever the limits, so a group id names one prompt for good.

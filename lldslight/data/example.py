@@ -13,12 +13,25 @@ SEARCH_R1_TEMPLATE = (
 )
 
 
-def make_prompt(question: str) -> str:
-    """Search-R1's user message: question stripped, '?' appended when missing (typo kept on purpose)."""
+def make_prompt(question: str, template: str = SEARCH_R1_TEMPLATE) -> str:
+    """The user message: ``template`` (Search-R1's, typo kept on purpose) around the question,
+    stripped, with '?' appended when missing."""
     q = question.strip()
     if not q.endswith("?"):
         q += "?"
-    return SEARCH_R1_TEMPLATE.format(question=q)
+    return template.format(question=q)
+
+
+def check_template(template: str, key: str) -> None:
+    """A prompt template must hold exactly one ``{question}`` and nothing else to fill."""
+    from lldslight.errors import ConfigError
+
+    try:
+        rendered = template.format(question="\0")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(f"{key} must be a text with one {{question}} placeholder, got {template!r} ({err!r})") from None
+    if rendered.count("\0") != 1:
+        raise ConfigError(f"{key} must hold {{question}} exactly once, got {template!r}")
 
 
 @dataclass
