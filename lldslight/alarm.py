@@ -32,10 +32,10 @@ answered_rate          train/answered_rate (share that gave an answer;    falls 
                        GRPOModule)
 gate_open              lld/gate_open_actions (share of A>=0 actions whose rises      0.05
                        likelihood fell during the step; LLDMonitor)
-delta_negative_share   share of the last ``share_window`` measured steps  rises      0.05
+delta_negative_share   share of the last ``share_window`` measured steps  rises      0.2 (**)
                        with lld/delta_correct < 0 (NaN until
                        ``share_min`` were measured; LLDMonitor)
-reward_vs_peak         trailing mean of train/reward over                 falls      0.05
+reward_vs_peak         trailing mean of train/reward over                 falls      0.3 (*)
                        ``reward_window`` steps / its running peak (NaN
                        until the window is full or while the peak <= 0)
 first_vs_later_logp    lld/logp_first_action - lld/logp_later_actions     falls      0.05 nats
@@ -43,6 +43,17 @@ first_vs_later_logp    lld/logp_first_action - lld/logp_later_actions     falls 
 p_search_open          diag/p_search_open (optional)                      falls      0.05
 p_answer_close         diag/p_answer_close (optional)                     falls      0.05
 =====================  =================================================  =========  =======
+
+(*) reward_vs_peak has a fixed baseline, mean 1 and sd 0.3 (its floor), instead of a measured
+one: while the reward rises the ratio sits at ~1 with a tiny sd, and on any healthy plateau it
+drifts below 1 as the running peak of a noisy trailing mean ratchets up, so a measured baseline
+would make every plateau look adverse. With k = 0.5 its C grows only while the trailing mean is
+below 85% of its peak (the a-priori threshold of LAB_NOTES §4).
+
+(**) delta_negative_share is a share over a trailing window, so consecutive values are strongly
+correlated: standardised by their own sd, one ordinary excursion would add up ``share_window``
+steps of z. Its sd is instead the per-step sd of the indicator it averages, sqrt(p0 (1 - p0)) for
+a baseline share p0 (floor 0.2): at p0 = 0.07, C grows only while the share exceeds ~0.2.
 
 Only ``h`` is meant to be calibrated (on runs that did not collapse; ``replay_alarm`` recomputes
 everything the callback logs from a finished run's metrics.csv, for any config). The form and the
@@ -75,6 +86,11 @@ class SignalDef:
             the metric < 0), "peak_ratio" (trailing mean / its running peak), "difference".
         floor: the smallest sd the standardisation divides by, in the signal's unit.
         source: which component logs the keys (for error messages).
+        fixed_mean: when set, the baseline is fixed (mean = this, sd = the floor) instead of
+            measured on the run's baseline window.
+        scale: the baseline sd: "measured" (the sample sd of the baseline values) or "bernoulli"
+            (sqrt(mu (1 - mu)) of the baseline mean mu: the per-step sd of the indicator a share
+            averages, for a share over a trailing window).
     """
 
     keys: tuple[str, ...]
@@ -82,14 +98,24 @@ class SignalDef:
     transform: Transform
     floor: float
     source: str
+    fixed_mean: Optional[float] = None
+    scale: Literal["measured", "bernoulli"] = "measured"
 
 
 SIGNALS: dict[str, SignalDef] = {
     "tool_call_rate": SignalDef(("diag/tool_call_rate",), -1, "raw", 0.05, "LLDMonitor"),
     "answered_rate": SignalDef(("train/answered_rate",), -1, "raw", 0.05, "GRPOModule"),
     "gate_open": SignalDef(("lld/gate_open_actions",), +1, "raw", 0.05, "LLDMonitor(measure_gate=true)"),
-    "delta_negative_share": SignalDef(("lld/delta_correct",), +1, "negative_share", 0.05, "LLDMonitor(measure_delta=true)"),
-    "reward_vs_peak": SignalDef(("train/reward",), -1, "peak_ratio", 0.05, "GRPOModule"),
+    # A share over 30 steps is strongly autocorrelated: divided by its own (small) sd, one ordinary
+    # excursion would add up 30 steps' worth of z. The per-step sd of the indicator it averages is
+    # the yardstick instead: at p0 = 0.07, C grows only while the share is above ~0.2.
+    "delta_negative_share": SignalDef(("lld/delta_correct",), +1, "negative_share", 0.2, "LLDMonitor(measure_delta=true)",
+                                      scale="bernoulli"),
+    # A measured baseline would be wrong here: while the reward rises the ratio sits at ~1, and on
+    # any healthy plateau it drifts below that as the running peak of a noisy mean ratchets up.
+    # Fixed mean 1 and scale 0.3: C grows only while the trailing mean is below 1 - k x 0.3 = 85%
+    # of its peak (LAB_NOTES §4's a-priori threshold).
+    "reward_vs_peak": SignalDef(("train/reward",), -1, "peak_ratio", 0.3, "GRPOModule", fixed_mean=1.0),
     "first_vs_later_logp": SignalDef(("lld/logp_first_action", "lld/logp_later_actions"), -1, "difference", 0.05, "LLDMonitor"),
     "p_search_open": SignalDef(("diag/p_search_open",), -1, "raw", 0.05, "LLDMonitor"),
     "p_answer_close": SignalDef(("diag/p_answer_close",), -1, "raw", 0.05, "LLDMonitor"),
@@ -285,6 +311,13 @@ class AlarmRule:
             x = values[name]
             if self.baseline[name] is None:
                 z[name] = float("nan")
+                fixed = SIGNALS[name].fixed_mean
+                if fixed is not None:
+                    if step >= cfg.baseline_end - 1:
+                        self.baseline[name] = (float(fixed), cfg.floor(name))
+                        self.cusum[name] = 0.0
+                        self.last_zero[name] = step
+                    continue
                 if math.isfinite(x) and cfg.baseline_start <= step:
                     collected = self.baseline_values[name]
                     if step < cfg.baseline_end or len(collected) < cfg.baseline_min:
@@ -293,7 +326,9 @@ class AlarmRule:
                 # statistic starts on the step after (C = 0 here).
                 if step >= cfg.baseline_end - 1 and len(self.baseline_values[name]) >= cfg.baseline_min:
                     data = np.asarray(self.baseline_values[name], dtype=np.float64)
-                    self.baseline[name] = (float(data.mean()), max(float(data.std(ddof=1)), cfg.floor(name)))
+                    mu = float(data.mean())
+                    sd = math.sqrt(max(mu * (1.0 - mu), 0.0)) if SIGNALS[name].scale == "bernoulli" else float(data.std(ddof=1))
+                    self.baseline[name] = (mu, max(sd, cfg.floor(name)))
                     self.cusum[name] = 0.0
                     self.last_zero[name] = step
                 continue
