@@ -82,7 +82,7 @@ def policies():
 
 
 def run(policy, tmp_path: Path, heal: Heal, steps: int, force: set[int], ckpt: str | None = None, kl_coef: float = 0.0, llds: bool = True,
-        module_kwargs: dict | None = None):
+        module_kwargs: dict | None = None, guard: GradientSpikeGuard | None = None, extra: tuple = ()):
     torch.manual_seed(0)
     config = policy[2] if len(policy) > 2 else small_config()
     module = GRPOModule(policy=config, lr=LR, warmup_steps=WARMUP, updates_per_rollout=2, micro_batch_size=2, kl_coef=kl_coef,
@@ -90,8 +90,8 @@ def run(policy, tmp_path: Path, heal: Heal, steps: int, force: set[int], ckpt: s
     module.policy, module.tokenizer = copy.deepcopy(policy[0]), policy[1]
     record = Record()
     alarm = CollapseAlarm(rule=RULE)
-    guard = GradientSpikeGuard(factor=10.0, window=8, warmup=2)
-    callbacks = [record, Feed()] + ([LLDS(coef=0.2)] if llds else []) + [
+    guard = guard if guard is not None else GradientSpikeGuard(factor=10.0, window=8, warmup=2)
+    callbacks = [record, Feed(), *extra] + ([LLDS(coef=0.2)] if llds else []) + [
         LLDMonitor(plot=False, phases=PhaseConfig(window=3, patience=1)), Force(force), alarm, guard, heal]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=pl.loggers.CSVLogger(tmp_path, name="run"),
@@ -197,6 +197,24 @@ def test_full_fine_tuning_anchor_schedule_rollback_and_disk_snapshots(tmp_path):
     assert module2.hparams.kl_coef == 0.05 and module2.reference is not None
     assert all(torch.equal(a, b) for a, b in zip(module2.reference.parameters(), s[4]["params"]))
     assert "train/kl" in rows(trainer2)[9]
+
+
+def test_a_guard_that_gives_up_hands_the_run_to_heal(policies, tmp_path):
+    from test_guard import Faults
+
+    # Updates 12 and 13 (both of step 6) have NaN gradients: 2 vetoes in a row trip the guard, which
+    # asks Heal to go back before step 6 (minus the margin): the snapshot of step 4.
+    guard = GradientSpikeGuard(factor=10.0, window=8, warmup=2, max_consecutive_vetoes=2, on_give_up="heal")
+    heal = Heal(every=2, depth=10, margin=2, max_heals=1, lr_factor=0.5)
+    nan = float("nan")
+    trainer, module, rec, alarm, _ = run(policies["lora"], tmp_path, heal, steps=9, force=set(), guard=guard,
+                                         extra=(Faults({12: nan, 13: nan}),))
+    assert alarm.fired_steps == [] and len(heal.heals) == 1
+    assert heal.heals[0]["rolled_back_to"] == 4 and heal.heals[0]["reason"].startswith("GradientSpikeGuard gave up")
+    s = rec.start
+    assert same_state({"params": s[7]["params"], "adam": s[7]["adam"]}, {"params": s[4]["params"], "adam": s[4]["adam"]})
+    assert rec.lrs[7] == [pytest.approx(0.5 * LR * 8 / WARMUP)] * 2 and trainer.global_step == 9
+    assert guard.stop_checkpoint is None and "Heal callback rolled the run back" in guard.message
 
 
 def test_heal_config_errors():
