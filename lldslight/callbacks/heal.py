@@ -39,7 +39,6 @@ a resume it starts again (a snapshot is taken at the first step).
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
