@@ -8,7 +8,9 @@ sampling probability of the control tokens (<search>, </search>, <answer>, </ans
 shares: responses that called the tool, actions whose likelihood fell during the step (the LLDS
 gate's open rate), groups with tied rewards. Panels whose columns no run logged are left out. The
 phases the monitor detected are shaded (orange = steady decay, red = acceleration; one strip per
-run when several are overlaid) and early warnings are dashed vertical lines.
+run when several are overlaid) and early warnings are dashed vertical lines. When the run logged
+the collapse alarm (CollapseAlarm), a last panel shows each signal's CUSUM statistic (alarm/*)
+with a triangle on each step the alarm fired; heals (Heal) are solid vertical lines on every panel.
 """
 from __future__ import annotations
 
@@ -100,6 +102,66 @@ def panels_for(frames) -> list[tuple[str, list]]:
     ]
 
 
+# -- the collapse alarm and heals (issue 20; docs/alarm_and_healing.md) -------------------------------
+
+ALARM_LABEL = "collapse alarm:\nCUSUM C (baseline sds)"
+ALARM_STYLES = ["-", "--", "-.", ":", DASH_DOT_DOT, (0, (1, 1)), (0, (3, 1, 1, 1)), (0, (8, 2))]
+_ALARM_AUX = ("alarm/votes", "alarm/fired", "alarm/onset")
+
+
+def alarm_columns(frame) -> list[str]:
+    """The per-signal CUSUM columns (``alarm/<signal>``) a run logged, in column order."""
+    return [
+        c for c in frame.columns
+        if c.startswith("alarm/") and c not in _ALARM_AUX and not c.endswith(("_crossed", "_value", "_z")) and frame[c].notna().any()
+    ]
+
+
+def fired_steps(frame) -> list[float]:
+    """Steps on which the alarm fired."""
+    if "alarm/fired" not in frame.columns:
+        return []
+    return [float(s) for s in frame.index[frame["alarm/fired"].fillna(0).to_numpy() > 0]]
+
+
+def heal_steps(frame) -> list[float]:
+    """Steps on which Heal rolled the run back (skipped heals left out)."""
+    if "heal/count" not in frame.columns:
+        return []
+    done = frame["heal/count"].notna()
+    if "heal/skipped" in frame.columns:
+        done &= frame["heal/skipped"].fillna(0) == 0
+    return [float(s) for s in frame.index[done.to_numpy()]]
+
+
+def draw_alarm_panel(ax, frame, colour) -> list:
+    """One run's alarm statistics on ``ax``: a line per signal (line styles name the signals),
+    a triangle on each step the alarm fired. Returns the legend handles of the signals."""
+    import matplotlib.pyplot as plt
+
+    steps = frame.index.to_numpy(dtype=float)
+    handles = []
+    for i, column in enumerate(alarm_columns(frame)):
+        y = frame[column]
+        ok = y.notna().to_numpy()
+        style = ALARM_STYLES[i % len(ALARM_STYLES)]
+        ax.plot(steps[ok], y[ok], linestyle=style, color=colour, lw=1.3)
+        handles.append(plt.Line2D([], [], color="grey", linestyle=style, label=column.removeprefix("alarm/")))
+    fired = fired_steps(frame)
+    columns = alarm_columns(frame)
+    if fired and columns:
+        top = frame.loc[frame["alarm/fired"].fillna(0).to_numpy() > 0, columns].max(axis=1).fillna(0.0)
+        ax.plot(fired, top.to_numpy(dtype=float), linestyle="none", marker="v", markersize=8, color=colour, label="alarm fired")
+    return handles
+
+
+def draw_heals(axes, frame, colour) -> None:
+    """A solid vertical line on every panel at each step a heal rolled the run back."""
+    for step in heal_steps(frame):
+        for ax in axes:
+            ax.axvline(step, color=colour, ls="-", lw=1.8, alpha=0.55)
+
+
 def _label(run_dir: Path) -> str:
     parts = run_dir.resolve().parts
     return "/".join(parts[-2:]) if parts and parts[-1].startswith("version_") else parts[-1]
@@ -133,7 +195,11 @@ def plot_runs(
     labels = list(labels) if labels is not None else [_label(Path(d)) for d in run_dirs]
 
     panels = panels_for(frames)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels) + 0.9), sharex=True, layout="constrained")
+    alarm = any(alarm_columns(f) for f in frames)
+    rows = len(panels) + int(alarm)
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 2.2 * rows + 0.9), sharex=True, layout="constrained")
+    alarm_ax, axes = (axes[-1], list(axes[:-1])) if alarm else (None, list(axes))
+    alarm_handles: dict[str, object] = {}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     n = len(frames)
     for i, (frame, label) in enumerate(zip(frames, labels)):
@@ -158,6 +224,10 @@ def plot_runs(
                     ax.plot(steps[ok], y[ok].rolling(smooth, min_periods=1).mean(), linestyle=style, color=colour, lw=1.6)
                 else:
                     ax.plot(steps[ok], y[ok], linestyle=style, color=colour, lw=1.4, marker="." if ok.sum() < 30 else None)
+        if alarm_ax is not None:
+            for handle in draw_alarm_panel(alarm_ax, frame, colour):
+                alarm_handles.setdefault(handle.get_label(), handle)
+        draw_heals(axes + ([alarm_ax] if alarm_ax is not None else []), frame, colour)
     for ax, (name, series) in zip(axes, panels):
         ax.set_ylabel(name, fontsize=9)
         ax.grid(alpha=0.3)
@@ -171,11 +241,20 @@ def plot_runs(
             ax.set_ylim(-0.03, 1.03)  # probabilities and shares
         if series[0][0] == "train/grad_norm" and all((f["train/grad_norm"].dropna() > 0).all() for f in frames):
             ax.set_yscale("log")
+    if alarm_ax is not None:
+        alarm_ax.set_ylabel(ALARM_LABEL, fontsize=9)
+        alarm_ax.grid(alpha=0.3)
+        alarm_ax.legend(handles=list(alarm_handles.values()), fontsize=7, loc="upper left", framealpha=0.6, ncol=2)
+        axes.append(alarm_ax)
     axes[-1].set_xlabel("training step (rollout batch)")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     handles = [plt.Line2D([], [], color=colours[i % len(colours)], lw=2, label=label) for i, label in enumerate(labels)]
     handles += [Patch(color=PHASE_COLOURS[2], alpha=0.5, label="steady decay"), Patch(color=PHASE_COLOURS[3], alpha=0.5, label="acceleration")]
     handles += [plt.Line2D([], [], color="grey", ls=":", label="early warning")]
+    if any(fired_steps(f) for f in frames):
+        handles += [plt.Line2D([], [], color="grey", ls="none", marker="v", label="collapse alarm")]
+    if any(heal_steps(f) for f in frames):
+        handles += [plt.Line2D([], [], color="grey", ls="-", lw=1.8, alpha=0.55, label="heal (rolled back)")]
     strips = "phase strips: one per run, bottom-up in legend order" if n > 1 else None
     fig.legend(handles=handles, loc="outside upper center", ncol=4, fontsize=8, frameon=False, title=strips, title_fontsize=7)
     if title:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import statistics
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -247,3 +248,94 @@ def test_guard_options_are_checked():
         GradientSpikeGuard(on_spike="skip")
     with pytest.raises(ValueError, match="factor"):
         GradientSpikeGuard(factor=0.5)
+
+
+# -- issue 20: empty updates and like-with-like medians ------------------------------------------------
+
+
+class _Ctx:
+    """The parts of update.StepContext the gate reads, for feeding it a hand-made norm sequence."""
+
+    def __init__(self, norm: float) -> None:
+        self.grad_norm = torch.tensor(norm)
+        self.metrics: dict[str, float] = {}
+        self.vetoed = False
+        self.update_index = 0
+        self.module = type("M", (), {"global_step": 0})()
+
+
+def test_zero_norm_updates_never_enter_the_median():
+    # LAB_NOTES §6: 20 ordinary updates, then a collapsing run's tied mini-batches (norm 0) outnumber
+    # them in the window. Before the fix the median became 0 and the next real update (2.2) was
+    # vetoed as "2.2 > 10 x median 0".
+    guard = GradientSpikeGuard(factor=10.0, window=20, warmup=5)
+    norms = [1.0 + 0.05 * i for i in range(20)] + [0.0] * 15 + [2.2]
+    decisions = [guard.gate(_Ctx(n)) for n in norms]
+    assert all(decisions), [i for i, d in enumerate(decisions) if not d]
+    assert 0.0 not in guard.history and len(guard.history) == 20 and guard.empty_updates == 15
+    assert guard.median() == pytest.approx(statistics.median([1.0 + 0.05 * i for i in range(1, 20)] + [2.2]))
+    # A KL-only trickle of a tied mini-batch (1e-4 of the median) is empty too; a real spike still is one.
+    assert guard.gate(_Ctx(1e-4)) and guard.empty_updates == 16 and 1e-4 not in guard.history
+    assert not guard.gate(_Ctx(40.0))
+
+
+def test_tied_rollout_batches_do_not_make_the_guard_veto_real_updates(small_policy, tmp_path):
+    # Steps 0-1 have mixed groups; steps 2-5 tie every group (all updates have norm exactly 0, the
+    # window of 8 would hold only zeros); step 6 is mixed again. None of its updates may be vetoed.
+    tied = {2, 3, 4, 5}
+
+    class Schedule(FeedRollouts):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            traj = make_rollout()
+            if trainer.global_step in tied:
+                traj.reward = torch.ones_like(traj.reward)
+            pl_module.rollout_batch = traj
+
+    guard = GradientSpikeGuard(factor=10.0, window=8, warmup=2)
+    torch.manual_seed(0)
+    module = GRPOModule(policy=small_config(), lr=1e-2, updates_per_rollout=2, micro_batch_size=2, kl_coef=0.0, shuffle_minibatches=False)
+    module.policy, module.tokenizer = copy.deepcopy(small_policy[0]), small_policy[1]
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=7, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[Schedule(), guard, recorder],
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(list(range(64)), batch_size=1, collate_fn=lambda b: b))
+    r = recorder.records
+    assert [x["grad_norm"] for x in r[4:12]] == [0.0] * 8  # the tied steps really had no gradient
+    assert all(x["grad_norm"] > 0 for x in r[:4] + r[12:])
+    assert not any(x["vetoed"] for x in r), [i for i, x in enumerate(r) if x["vetoed"]]
+    assert list(guard.history) == [x["grad_norm"] for x in r[:4] + r[12:]] and guard.empty_updates == 8
+
+
+def test_clipped_spike_stays_out_of_the_window(small_policy, tmp_path):
+    # Like with like: the window holds the measured norms of single ordinary updates. A clipped spike
+    # entered it as the median itself before the fix.
+    guard = GradientSpikeGuard(factor=10.0, window=8, warmup=3, on_spike="clip")
+    trainer, module, rec = fit(small_policy, tmp_path, guard, {4: 100.0}, max_steps=3)
+    r = rec.records
+    assert r[4]["grad_norm"] < r[5]["grad_norm"] * 10  # the recorder saw the clipped norm
+    assert list(guard.history) == [r[i]["grad_norm"] for i in (0, 1, 2, 3, 5)]
+    assert guard.accepted == 5
+
+
+def test_reset_window_restarts_the_warm_up():
+    guard = GradientSpikeGuard(factor=10.0, window=8, warmup=2)
+    for n in (1.0, 1.1, 1.2):
+        guard.gate(_Ctx(n))
+    assert guard.median() == pytest.approx(1.1)
+    guard.reset_window()
+    assert guard.median() is None and not guard.history and guard.consecutive_vetoes == 0
+    assert guard.gate(_Ctx(50.0))  # no judgement during the new warm-up
+
+
+def test_guard_give_up_heal_needs_a_heal_callback():
+    from lldslight.errors import ConfigError
+
+    guard = GradientSpikeGuard(on_give_up="heal")
+    trainer = type("T", (), {"callbacks": [guard]})()
+    module = type("M", (), {"add_step_gate": lambda self, name, fn: None})()
+    with pytest.raises(ConfigError, match="Heal"):
+        guard.setup(trainer, module, "fit")
+    with pytest.raises(ConfigError, match="empty_below"):
+        GradientSpikeGuard(empty_below=0.5)

@@ -81,3 +81,61 @@ def test_missing_columns_are_named(run_dir, tmp_path) -> None:
     shutil.copy(run_dir / "metrics.csv", bad / "metrics.csv")
     with pytest.raises(PlotInputError, match="2 labels for 1 run"):
         plot_runs([bad], tmp_path / "x.png", labels=["a", "b"])
+
+
+def _capture_figures(monkeypatch) -> list:
+    """The figures plot_runs saves (it closes them after saving)."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        saved.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def test_alarm_panel_and_heals_appear_when_logged(run_dir, tmp_path, monkeypatch) -> None:
+    from lldslight.plots import ALARM_LABEL, alarm_columns, fired_steps, heal_steps
+
+    frame = pd.read_csv(run_dir / "metrics.csv")
+    steps = frame["step"]
+    # What CollapseAlarm and Heal log: two signals' CUSUMs, a firing on step 1, a heal on step 1.
+    frame["alarm/tool_call_rate"] = steps.map({0: 0.0, 1: 6.5})
+    frame["alarm/gate_open"] = steps.map({0: 1.0, 1: 5.5})
+    frame["alarm/tool_call_rate_crossed"] = steps.map({0: 0.0, 1: 1.0})
+    frame["alarm/votes"] = steps.map({0: 0.0, 1: 2.0})
+    frame["alarm/fired"] = steps.map({0: 0.0, 1: 1.0})
+    frame["heal/count"] = steps.map({1: 1.0})
+    frame["heal/skipped"] = steps.map({1: 0.0})
+    healed = tmp_path / "healed" / "version_0"
+    healed.mkdir(parents=True)
+    frame.to_csv(healed / "metrics.csv", index=False)
+    read = read_run(healed)
+    assert alarm_columns(read) == ["alarm/tool_call_rate", "alarm/gate_open"]
+    assert fired_steps(read) == [1.0] and heal_steps(read) == [1.0]
+
+    saved = _capture_figures(monkeypatch)
+    plot_runs([run_dir], tmp_path / "plain.png")
+    plot_runs([healed], tmp_path / "healed.png")
+    plain, fig = saved
+    labels = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+    assert ALARM_LABEL not in [ax.get_ylabel() for ax in plain.axes]
+    assert labels[-1] == ALARM_LABEL and len(labels) == len([ax for ax in plain.axes if ax.get_ylabel()]) + 1
+    alarm_ax = next(ax for ax in fig.axes if ax.get_ylabel() == ALARM_LABEL)
+    lines = alarm_ax.get_lines()
+    # two CUSUM curves, one marker line for the firing (at the larger C, 6.5), one heal line
+    curves = [ln for ln in lines if ln.get_linestyle() != "None" and list(ln.get_xdata()) == [0.0, 1.0]]
+    assert len(curves) == 2
+    markers = [ln for ln in lines if ln.get_marker() == "v"]
+    assert len(markers) == 1 and list(markers[0].get_xdata()) == [1.0] and list(markers[0].get_ydata()) == [6.5]
+    vlines = [ln for ln in lines if list(ln.get_xdata()) == [1.0, 1.0]]
+    assert len(vlines) == 1
+    # The heal is marked on every panel, and named in the figure legend with the alarm.
+    assert all(any(list(ln.get_xdata()) == [1.0, 1.0] for ln in ax.get_lines()) for ax in fig.axes if ax.get_ylabel())
+    legend_labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "collapse alarm" in legend_labels and "heal (rolled back)" in legend_labels
+    assert [t.get_text() for t in alarm_ax.get_legend().get_texts()] == ["tool_call_rate", "gate_open"]

@@ -1,10 +1,16 @@
-"""Callbacks that compose a run in YAML: rollouts, the LLDS term, guards, diagnostics, summaries."""
+"""Callbacks that compose a run in YAML: rollouts, the LLDS term, guards, diagnostics, the collapse
+alarm and healing, summaries."""
+from lldslight.callbacks.alarm import AlarmEvent, CollapseAlarm
 from lldslight.callbacks.dynamic_sampling import DynamicSampling
 from lldslight.callbacks.guard import GradientSpikeGuard
+from lldslight.callbacks.heal import Heal
 from lldslight.callbacks.llds import LLDS
 from lldslight.callbacks.monitor import LLDMonitor
 from lldslight.callbacks.probe import LLDProbe
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.callbacks.summary import RunSummary
 
-__all__ = ["SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling", "LLDProbe"]
+__all__ = [
+    "SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling",
+    "CollapseAlarm", "AlarmEvent", "Heal", "LLDProbe",
+]

@@ -8,6 +8,13 @@ the optimiser state (the module zeroes the gradients and skips the step).
 
 Why: in the collapse phase of GRPO on search agents (docs/algorithm.md §3) gradient norms spike while
 entropy explodes; one such update can wreck a run that a skipped update would have saved.
+
+The window holds only the norms of single updates that were accepted as they came: not the norms
+of empty updates (a mini-batch whose groups all tie has no policy gradient: norm 0, or a KL-only
+trickle), which would pull the median to 0 once most mini-batches tie, exactly around a collapse,
+and then veto every update that carries signal ("2.2 > 10 x median 0"); and not a spike that was
+vetoed or clipped (a clipped spike used to enter the window as the median itself). So every veto
+compares one update's norm with the median of single, ordinary updates' norms.
 """
 from __future__ import annotations
 
@@ -22,20 +29,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lldslight.errors import ConfigError, require
+
 
 class GradientSpikeGuard(pl.Callback):
     """Vetoes (or clips) updates whose gradient norm is non-finite or spikes above the recent median.
 
     Args:
         factor: a norm above ``factor`` x the median of the window is a spike.
-        window: how many recent accepted updates the median is taken over.
-        warmup: accepted updates to see before spikes are judged (non-finite norms always are).
+        window: how many recent accepted, non-empty updates the median is taken over.
+        warmup: such updates to see before spikes are judged (non-finite norms always are).
+        empty_below: an update whose norm is 0, or at most ``empty_below`` x the window's median,
+            is empty (all its groups tied: no policy gradient). It is accepted but never enters
+            the window nor counts toward warm-up (0 = only exact zeros are empty).
         on_spike: "veto" skips the update; "clip" rescales the gradient to the median's norm and
             lets the update through.
         max_consecutive_vetoes: after this many vetoed updates in a row, ``on_give_up`` happens
             (0 = never).
         on_give_up: "stop" saves a checkpoint and stops the run with a message; "restore" goes back
-            to the last good state and carries on (at most ``max_restores`` times, then stops).
+            to the last good state and carries on (at most ``max_restores`` times, then stops);
+            "heal" hands the run to the Heal callback (trainer.callbacks must hold one), which rolls
+            back further (to a snapshot from before the vetoes began, minus its margin) and changes
+            the dynamics (its remedies); once Heal's cap is reached the guard stops the run.
         restore_from: "memory" keeps a copy of the trainable parameters and optimiser state at the
             end of every rollout batch whose updates were all accepted (costs one copy of both);
             "checkpoint" reloads them from the checkpoint callback's last saved file (a single-file
@@ -50,30 +65,30 @@ class GradientSpikeGuard(pl.Callback):
         factor: float = 10.0,
         window: int = 50,
         warmup: int = 10,
+        empty_below: float = 1e-3,
         on_spike: Literal["veto", "clip"] = "veto",
         max_consecutive_vetoes: int = 5,
-        on_give_up: Literal["stop", "restore"] = "stop",
+        on_give_up: Literal["stop", "restore", "heal"] = "stop",
         restore_from: Literal["memory", "checkpoint"] = "memory",
         max_restores: int = 3,
         checkpoint_dir: Optional[str] = None,
     ) -> None:
-        if factor <= 1.0:
-            raise ValueError(f"GradientSpikeGuard.factor must be > 1, got {factor}")
-        if window < 1 or warmup < 0 or max_consecutive_vetoes < 0 or max_restores < 0:
-            raise ValueError(
-                "GradientSpikeGuard: window must be >= 1 and warmup, max_consecutive_vetoes, "
-                f"max_restores >= 0 (got {window}, {warmup}, {max_consecutive_vetoes}, {max_restores})"
-            )
+        require(factor > 1.0, "GradientSpikeGuard.factor", "> 1", factor)
+        require(window >= 1, "GradientSpikeGuard.window", ">= 1", window)
+        for name, value in (("warmup", warmup), ("max_consecutive_vetoes", max_consecutive_vetoes), ("max_restores", max_restores)):
+            require(value >= 0, f"GradientSpikeGuard.{name}", ">= 0", value)
+        require(0.0 <= empty_below < 1.0 / factor, "GradientSpikeGuard.empty_below", f"in [0, 1/factor = {1.0 / factor:g})", empty_below,
+                "an empty update must be far below a spike")
         for name, value, allowed in (
             ("on_spike", on_spike, ("veto", "clip")),
-            ("on_give_up", on_give_up, ("stop", "restore")),
+            ("on_give_up", on_give_up, ("stop", "restore", "heal")),
             ("restore_from", restore_from, ("memory", "checkpoint")),
         ):
-            if value not in allowed:
-                raise ValueError(f"GradientSpikeGuard.{name} must be one of {allowed}, got {value!r}")
+            require(value in allowed, f"GradientSpikeGuard.{name}", f"one of {allowed}", value)
         self.factor = factor
         self.window = window
         self.warmup = warmup
+        self.empty_below = empty_below
         self.on_spike = on_spike
         self.max_consecutive_vetoes = max_consecutive_vetoes
         self.on_give_up = on_give_up
@@ -85,6 +100,7 @@ class GradientSpikeGuard(pl.Callback):
         self.accepted = 0
         self.consecutive_vetoes = 0
         self.total_vetoes = 0
+        self.empty_updates = 0
         self.restores = 0
         # Per-run state.
         self._tripped: Optional[str] = None  # why the guard gave up, acted on at the batch end
@@ -92,6 +108,8 @@ class GradientSpikeGuard(pl.Callback):
         self._snapshot: Optional[dict[str, Any]] = None
         self.stop_checkpoint: Optional[str] = None
         self.message: Optional[str] = None
+        self._heal = None  # the Heal callback, with on_give_up: heal
+        self._streak_start = 0  # the step the current run of vetoes began in
 
     # -- wiring ---------------------------------------------------------------------------------------
 
@@ -99,6 +117,22 @@ class GradientSpikeGuard(pl.Callback):
         if not hasattr(pl_module, "add_step_gate"):
             raise TypeError(f"GradientSpikeGuard needs a module with add_step_gate (GRPOModule), got {type(pl_module).__name__}")
         pl_module.add_step_gate("gradient_spike_guard", self.gate)
+        if self.on_give_up == "heal":
+            from lldslight.callbacks.heal import Heal
+
+            heals = [cb for cb in trainer.callbacks if isinstance(cb, Heal)]
+            if not heals:
+                raise ConfigError("GradientSpikeGuard.on_give_up: heal needs a lldslight.callbacks.Heal in trainer.callbacks (configs/heal.yaml)")
+            self._heal = heals[0]
+
+    def reset_window(self) -> None:
+        """Forget the window and the veto streak (warm-up starts again): after a heal changed the
+        rate, old norms are not like the new ones. A pending give-up and the restore copy go too."""
+        self.history.clear()
+        self.accepted = 0
+        self.consecutive_vetoes = 0
+        self._tripped = None
+        self._snapshot = None
 
     def median(self) -> Optional[float]:
         """The median of the window once warm-up is over, else None (no spike judgement yet)."""
@@ -108,13 +142,22 @@ class GradientSpikeGuard(pl.Callback):
 
     # -- the gate -------------------------------------------------------------------------------------
 
+    def is_empty(self, norm: float) -> bool:
+        """An update with no policy gradient (its groups all tied): norm 0, or a trickle (a KL or
+        entropy term alone) at most ``empty_below`` x the window's median."""
+        if norm == 0.0:
+            return True
+        return bool(self.history) and norm <= self.empty_below * statistics.median(self.history)
+
     def gate(self, ctx) -> bool:
         norm = float(ctx.grad_norm)
         median = self.median()
         ctx.metrics["guard/grad_norm"] = norm
         if median is not None:
             ctx.metrics["guard/median"] = median
+        ctx.metrics["guard/empty"] = 0.0
         reason = None
+        spike = False
         if self._tripped is not None:
             reason = "the guard already gave up in this rollout batch"
         elif not math.isfinite(norm):
@@ -128,11 +171,17 @@ class GradientSpikeGuard(pl.Callback):
                 torch.nn.utils.clip_grads_with_norm_(params, median, ctx.grad_norm)
                 ctx.grad_norm = torch.as_tensor(median, dtype=ctx.grad_norm.dtype, device=ctx.grad_norm.device)
                 ctx.metrics["guard/clipped"] = 1.0
+                spike = True
             else:
                 reason = f"gradient norm {norm:.4g} > {self.factor:g} x median {median:.4g}"
         if reason is None:
-            self.history.append(float(ctx.grad_norm))
-            self.accepted += 1
+            if self.is_empty(norm):
+                self.empty_updates += 1
+                ctx.metrics["guard/empty"] = 1.0
+            elif not spike:
+                # The norm as measured, never the clipped one: a window of single ordinary updates.
+                self.history.append(norm)
+                self.accepted += 1
             self.consecutive_vetoes = 0
             ctx.metrics["guard/vetoed"] = 0.0
             return True
@@ -141,6 +190,8 @@ class GradientSpikeGuard(pl.Callback):
         ctx.metrics["guard/vetoed"] = 1.0
         if self._tripped is None:
             self.consecutive_vetoes += 1
+            if self.consecutive_vetoes == 1:
+                self._streak_start = int(ctx.module.global_step)  # the step being trained (counted after it)
             rank_zero_info(f"[GradientSpikeGuard] vetoed update {ctx.update_index} of step {ctx.module.global_step}: {reason}")
             if self.max_consecutive_vetoes and self.consecutive_vetoes >= self.max_consecutive_vetoes:
                 self._tripped = f"{self.consecutive_vetoes} consecutive vetoed updates (last: {reason})"
@@ -158,6 +209,15 @@ class GradientSpikeGuard(pl.Callback):
             return
         why, self._tripped = self._tripped, None
         self.consecutive_vetoes = 0
+        if self.on_give_up == "heal":
+            step = trainer.global_step - 1
+            # Heal goes back to a snapshot from before the step the vetoes began in, minus its margin.
+            onset = min(self._streak_start, step)
+            if self._heal.heal_now(trainer, pl_module, step=step, onset=onset, reason=f"GradientSpikeGuard gave up: {why}"):
+                self.message = f"GradientSpikeGuard: {why}; the Heal callback rolled the run back and continuing"
+                rank_zero_warn(self.message)
+                return
+            why += "; the Heal callback could not heal (cap reached or no snapshot)"
         if self.on_give_up == "restore" and self.restores < self.max_restores:
             source = self._restore(trainer, pl_module)
             if source is not None:
@@ -183,8 +243,11 @@ class GradientSpikeGuard(pl.Callback):
         self.message = (
             f"GradientSpikeGuard stopped the run at step {trainer.global_step}: {why}. "
             f"Saved {path}. The gradient norm kept exploding or turning non-finite; look at "
-            "train/grad_norm, train/entropy and the log-prob metrics, then resume from the "
-            "checkpoint with a lower lr, a larger LLDS coef, or a higher guard factor."
+            "train/grad_norm, train/entropy and the log-prob metrics. Resuming from the checkpoint "
+            "with a larger LLDS coef or a higher guard factor takes effect (callback arguments); a "
+            "lower model.lr given on resume does not by itself (the checkpoint's hyperparameters and "
+            "scheduler base_lrs win): to lower the rate inside the run, use the Heal callback "
+            "(configs/heal.yaml, docs/alarm_and_healing.md)."
         )
         self._log(trainer, "guard/stopped", 1.0)
         rank_zero_warn(self.message)
@@ -229,6 +292,7 @@ class GradientSpikeGuard(pl.Callback):
             "accepted": self.accepted,
             "consecutive_vetoes": self.consecutive_vetoes,
             "total_vetoes": self.total_vetoes,
+            "empty_updates": self.empty_updates,
             "restores": self.restores,
         }
 
@@ -237,4 +301,7 @@ class GradientSpikeGuard(pl.Callback):
         self.accepted = int(state_dict["accepted"])
         self.consecutive_vetoes = int(state_dict["consecutive_vetoes"])
         self.total_vetoes = int(state_dict["total_vetoes"])
+        self.empty_updates = int(state_dict.get("empty_updates", 0))
         self.restores = int(state_dict["restores"])
+        # Checkpoints written before empty updates were kept out may hold zeros: drop them.
+        self.history = deque((v for v in self.history if v > 0.0), maxlen=self.window)

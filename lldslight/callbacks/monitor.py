@@ -92,6 +92,7 @@ class LLDMonitor(pl.Callback):
         self.warning_steps: list[int] = []  # trainer steps at which the early warning fired
         self.checkpoints: list[str] = []
         self.last_metrics: dict[str, float] = {}
+        self.last_step: Optional[int] = None  # the training step ``last_metrics`` belong to (CollapseAlarm checks it)
 
     # -- per step ------------------------------------------------------------------------------------
 
@@ -126,6 +127,7 @@ class LLDMonitor(pl.Callback):
             "time/lld_monitor_s": time.perf_counter() - t0,
         })
         self.last_metrics = metrics
+        self.last_step = step
         # Values are already reduced over ranks above: no second reduction.
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(traj), sync_dist=False)
         if self.print_every_n_steps and (step + 1) % self.print_every_n_steps == 0 and trainer.is_global_zero:
