@@ -189,6 +189,14 @@ class GRPOModule(pl.LightningModule):
             if mesh is not None:
                 shard_policy(self.reference, mesh, self.fsdp_config)
 
+    def configure_callbacks(self) -> list[pl.Callback]:
+        # Lightning's default bar counts batches of an epoch ("Epoch 0/-2" under max_steps): a step
+        # bar replaces it (Lightning swaps a returned subclass in for its base class's instance).
+        from lldslight.callbacks.progress import step_bar_for
+
+        bar = step_bar_for(self._trainer.progress_bar_callback) if self._trainer is not None else None
+        return [bar] if bar is not None else []
+
     def add_loss_term(self, name: str, fn: LossTerm) -> None:
         self.loss_terms[name] = fn
 

@@ -160,10 +160,12 @@ def _configured_precision(cfg: "PolicyConfig") -> str:
     # What the dtype did before precision existed: bfloat16 stored every weight in bf16, and peft
     # upcast a LoRA adapter to fp32 on its own (its autocast_adapter_dtype), i.e. bf16-mixed.
     mapped = _DTYPE_TO_PRECISION.get(cfg.dtype) or ("bf16-mixed" if cfg.lora is not None else "bf16-true")
-    if cfg.precision is not None and cfg.precision != mapped:
+    # "auto" with a dtype given is not a choice made: parsers (jsonargparse) fill every field of a
+    # dataclass with the value a default instance holds, and that is "auto".
+    if cfg.precision not in (None, "auto") and cfg.precision != mapped:
         raise ConfigError(f"policy.dtype {cfg.dtype!r} and policy.precision {cfg.precision!r} disagree: set only "
                           "policy.precision (policy.dtype is deprecated)")
-    if cfg.precision is None:
+    if cfg.precision in (None, "auto") and cfg.precision != mapped:
         warnings.warn(f"policy.dtype is deprecated: write policy.precision: {mapped} instead of policy.dtype: {cfg.dtype}",
                       FutureWarning, stacklevel=3)
     return mapped
