@@ -79,8 +79,10 @@ class PolicyConfig:
             "bf16-true": every weight, the optimiser state and the forwards in bf16 (log-softmax and
             loss terms still fp32). "auto" (default): bf16-mixed where the hardware multiplies bf16
             natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX-BF16), fp32 elsewhere.
-        dtype: deprecated, use ``precision``: float32 -> fp32, bfloat16 -> bf16-mixed with LoRA
-            (peft keeps the adapter fp32, as it always did) and bf16-true without, auto -> auto.
+        dtype: deprecated, use ``precision``; mapped to what it did: float32 -> fp32, bfloat16 ->
+            bf16-mixed with LoRA (peft kept the adapter fp32) and bf16-true without, auto -> as
+            bfloat16 on CUDA and fp32 on a CPU (not the new "auto", which picks bf16 on a CPU with
+            native bf16).
         lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
         gradient_checkpointing: recompute each decoder layer's activations in the backward to save
             memory (True), keep them all (False), or "auto": keep those of as many layers as fit in
@@ -145,7 +147,6 @@ def resolve_dtype(dtype: Optional[DType]) -> torch.dtype:
 
 # -- precision (docs/precision.md) ------------------------------------------------------------------
 
-_DTYPE_TO_PRECISION = {"float32": "fp32", "auto": "auto"}  # bfloat16 depends on lora: see below
 
 
 def _configured_precision(cfg: "PolicyConfig") -> str:
@@ -157,9 +158,11 @@ def _configured_precision(cfg: "PolicyConfig") -> str:
     require(cfg.dtype in ("float32", "bfloat16", "auto"), "policy.dtype", "float32, bfloat16 or auto (deprecated: "
             "set policy.precision to auto | fp32 | bf16-mixed | bf16-true)", cfg.dtype,
             "float16 is no longer supported" if cfg.dtype == "float16" else "")
-    # What the dtype did before precision existed: bfloat16 stored every weight in bf16, and peft
-    # upcast a LoRA adapter to fp32 on its own (its autocast_adapter_dtype), i.e. bf16-mixed.
-    mapped = _DTYPE_TO_PRECISION.get(cfg.dtype) or ("bf16-mixed" if cfg.lora is not None else "bf16-true")
+    # What the dtype did before precision existed, so that old configs keep their arithmetic:
+    # bfloat16 stored every weight in bf16 and peft upcast a LoRA adapter to fp32 on its own (its
+    # autocast_adapter_dtype), i.e. bf16-mixed; "auto" was bfloat16 on CUDA and float32 on any CPU.
+    dtype = ("bfloat16" if torch.cuda.is_available() else "float32") if cfg.dtype == "auto" else cfg.dtype
+    mapped = "fp32" if dtype == "float32" else "bf16-mixed" if cfg.lora is not None else "bf16-true"
     # "auto" with a dtype given is not a choice made: parsers (jsonargparse) fill every field of a
     # dataclass with the value a default instance holds, and that is "auto".
     if cfg.precision not in (None, "auto") and cfg.precision != mapped:

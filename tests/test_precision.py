@@ -240,8 +240,10 @@ def test_bad_combinations_are_one_line(kwargs, match):
 
 
 @pytest.mark.parametrize("dtype,lora,want", [("float32", True, "fp32"), ("bfloat16", True, "bf16-mixed"),
-                                             ("bfloat16", False, "bf16-true"), ("auto", True, "auto")])
-def test_deprecated_dtype_maps_to_precision(dtype, lora, want):
+                                             ("bfloat16", False, "bf16-true"), ("auto", True, "fp32")])
+def test_deprecated_dtype_maps_to_precision(dtype, lora, want, monkeypatch):
+    """What each dtype did before: old configs keep their arithmetic ("auto" was fp32 on any CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.warns(FutureWarning, match=f"policy.precision: {want}"):
         cfg = PolicyConfig(dtype=dtype, lora=LoRAConfig() if lora else None)
     assert cfg.precision == want
