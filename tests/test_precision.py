@@ -368,3 +368,25 @@ def test_mismatch_metrics_equal_an_independent_computation(precision, bm25, prot
     assert got["rollout/logp_mismatch"] > 0  # a real mismatch, not a vacuous zero
     if precision == "fp32":
         assert got["rollout/logp_mismatch"] < 1e-5  # fp32: rounding only (test_logprobs: max < 1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_in_bf16_mixed(tmp_path):
+    """Two FSDP2 processes (gloo) through the real CLI with a bf16 base and fp32 adapters in the
+    same units: one step runs, the on-policy ratio is 1 and the mismatch is logged."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", "configs/tiny.yaml", "--model.policy.dtype", "null",
+           "--model.policy.precision", "bf16-mixed", "--trainer.devices", "2", "--trainer.max_steps", "1",
+           "--trainer.strategy", "{class_path: lldslight.distributed.FSDP2Strategy}", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lldslight: policy.precision bf16-mixed (set in the config)" in proc.stderr
+    (row,) = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    assert float(row["train/ratio_max"]) == 1.0
+    assert float(row["rollout/logp_mismatch"]) > 0 and float(row["rollout/logp_mismatch_kl"]) >= 0
