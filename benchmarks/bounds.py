@@ -1,5 +1,6 @@
-"""What this CPU allows: memory bandwidth, the fp32 matmul (sgemm) ceiling, and from them lower
-bounds on a decode step and on the GRPO update, so step times can be reported as fractions.
+"""What this CPU allows: memory bandwidth, the fp32 (sgemm) and bf16 matmul ceilings, and from them
+lower bounds on a decode step and on the GRPO update in each precision, so step times can be
+reported as fractions.
 
     python benchmarks/bounds.py --json bounds.json          # 1 and 2 threads, ~20 s each
     python benchmarks/bounds.py --threads 1 --mb 512
@@ -9,10 +10,12 @@ Measured (best of ``--repeats``: a ceiling is the best the machine does, not its
   split over Python threads for 2 threads), on arrays far larger than the caches; a copy moves
   twice its size;
 - sgemm GFLOP/s for a large square, and for the decode step's shapes ([rows x 576] @ [576 x 1536]
-  and the vocabulary projection for SmolLM2-135M) and a training micro-batch's;
-- the decode step's matmuls alone: every Linear of the model (random weights of its shapes, so
-  they stream from memory as the real ones do) applied once to ``rows`` rows: what an eager decode
-  step cannot beat with these kernels.
+  and the vocabulary projection for SmolLM2-135M) and a training micro-batch's; the same shapes in
+  bf16 (``bf16_gemm_gflops``; oneDNN's native kernels where the CPU has AVX512-BF16 / AMX, emulated
+  and slower than fp32 where it has not: ``cpu_bf16`` says which);
+- the decode step's matmuls alone, fp32 and bf16 weights: every Linear of the model (random weights
+  of its shapes, so they stream from memory as the real ones do) applied once to ``rows`` rows:
+  what an eager decode step cannot beat with these kernels.
 
 Bounds (pure arithmetic, tested on hand-worked numbers):
 - a decode step reads every weight once: time >= weight bytes / read bandwidth, and >= its FLOPs /
@@ -20,6 +23,11 @@ Bounds (pure arithmetic, tested on hand-worked numbers):
 - the update's FLOPs (forward + backward over the step's tokens; backward through frozen weights
   computes input gradients only; gradient checkpointing re-runs the forward of every layer the
   backward passes) divided by the ceiling.
+
+Per precision (``step_fractions(..., precision=)``), two references for each phase: the physical
+limit (bandwidth, and the large-shape peak of that dtype) and what the BLAS achieves at the actual
+shapes (the decode step's matmuls alone; the update's FLOPs at the training shape's rate); each
+reported as bound / achieved, a fraction <= 1 (a bf16 decode step reads 2 bytes per weight).
 """
 from __future__ import annotations
 
@@ -175,14 +183,19 @@ def bandwidth(threads: int, mb: int = 256, repeats: int = 5) -> dict[str, float]
     return out
 
 
-def sgemm_gflops(threads: int, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """fp32 [m x k] @ [k x n] GFLOP/s, best of ``repeats``. For small shapes the operands stay in
-    cache: this is the kernel's ceiling, not a decode step's (see decode_matmuls_s)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def sgemm_gflops(threads: int, m: int, k: int, n: int, repeats: int = 5, precision: str = "fp32") -> float:
+    """[m x k] @ [k x n] GFLOP/s in ``precision`` ("fp32" or "bf16"), best of ``repeats``. For small
+    shapes the operands stay in cache: this is the kernel's ceiling, not a decode step's (see
+    decode_matmuls_s)."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    a, w = torch.randn(m, k), torch.randn(n, k)  # an nn.Linear's layout: weight [out, in]
+    dtype = _torch_dtype(precision)
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)  # an nn.Linear's layout: weight [out, in]
     calls = max(1, int(2e8 // (2 * m * k * n)))  # ~0.2 GFLOP per timing: above timer resolution
 
     def run():
@@ -191,15 +204,23 @@ def sgemm_gflops(threads: int, m: int, k: int, n: int, repeats: int = 5) -> floa
     return 2.0 * m * k * n * calls / _best(run, repeats) / 1e9
 
 
-def decode_matmuls_s(shape: Shape, rows: int, threads: int, repeats: int = 3) -> float:
-    """One decode step's matmuls alone: every Linear of ``shape`` (random fp32 weights of its
-    shapes, so they stream from memory) applied to ``rows`` rows, plus the vocabulary projection."""
+def _torch_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def decode_matmuls_s(shape: Shape, rows: int, threads: int, repeats: int = 3, precision: str = "fp32") -> float:
+    """One decode step's matmuls alone: every Linear of ``shape`` (random weights of its shapes in
+    ``precision``, so they stream from memory) applied to ``rows`` rows, plus the vocabulary projection."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    weights = [torch.randn(b, a) for _ in range(shape.layers) for a, b in shape.linears()] + [torch.randn(shape.vocab, shape.hidden)]
-    xs = {a: torch.randn(rows, a) for a, _ in shape.linears()}
+    dtype = _torch_dtype(precision)
+    weights = [torch.randn(b, a, dtype=dtype) for _ in range(shape.layers) for a, b in shape.linears()]
+    weights.append(torch.randn(shape.vocab, shape.hidden, dtype=dtype))
+    xs = {a: torch.randn(rows, a, dtype=dtype) for a, _ in shape.linears()}
 
     def run():
         for w in weights:
@@ -211,18 +232,37 @@ def decode_matmuls_s(shape: Shape, rows: int, threads: int, repeats: int = 3) ->
 
 def measure(threads: int, shape: Shape, rows: int, train_rows: int = 512, mb: int = 256, repeats: int = 5) -> dict[str, Any]:
     """Every ceiling at ``threads``, with the load around the measurement."""
+    from lldslight.policy import cpu_bf16_support
+
+    h, i = shape.hidden, shape.intermediate
+    shapes = {
+        "square_2048": (2048, 2048, 2048),
+        f"decode_{rows}x{h}x{i}": (rows, h, i),
+        f"head_{rows}x{h}x{shape.vocab}": (rows, h, shape.vocab),
+        f"train_{train_rows}x{h}x{i}": (train_rows, h, i),
+    }
     with LoadMeter() as meter:
         bw = bandwidth(threads, mb, repeats)
-        h, i = shape.hidden, shape.intermediate
-        sg = {
-            "square_2048": sgemm_gflops(threads, 2048, 2048, 2048, repeats),
-            f"decode_{rows}x{h}x{i}": sgemm_gflops(threads, rows, h, i, repeats),
-            f"head_{rows}x{h}x{shape.vocab}": sgemm_gflops(threads, rows, h, shape.vocab, repeats),
-            f"train_{train_rows}x{h}x{i}": sgemm_gflops(threads, train_rows, h, i, repeats),
-        }
+        sg = {name: sgemm_gflops(threads, *mkn, repeats) for name, mkn in shapes.items()}
         chain = decode_matmuls_s(shape, rows, threads)
+        bf = {name: sgemm_gflops(threads, *mkn, repeats, precision="bf16") for name, mkn in shapes.items()}
+        chain_bf16 = decode_matmuls_s(shape, rows, threads, precision="bf16")
+    support = cpu_bf16_support()
     return {"threads": threads, "rows": rows, **bw, "sgemm_gflops": sg, "decode_matmuls_s": chain,
-            "decode_matmuls_gbs": shape.decode_bytes() / chain / 1e9, "shape": asdict(shape), "load": meter.record.to_dict()}
+            "decode_matmuls_gbs": shape.decode_bytes() / chain / 1e9,
+            "bf16_gemm_gflops": bf, "decode_matmuls_bf16_s": chain_bf16,
+            "decode_matmuls_bf16_gbs": shape.decode_bytes(2) / chain_bf16 / 1e9,
+            "cpu_bf16": {"native": support.native, "evidence": support.evidence},
+            "shape": asdict(shape), "load": meter.record.to_dict()}
+
+
+def gemm_rates(m: dict[str, Any], precision: str) -> dict[str, float]:
+    """The measured GFLOP/s of ``precision``'s matmuls at each shape measure() timed."""
+    return m["sgemm_gflops"] if precision == "fp32" else m["bf16_gemm_gflops"]
+
+
+def decode_matmuls_of(m: dict[str, Any], precision: str) -> float:
+    return m["decode_matmuls_s"] if precision == "fp32" else m["decode_matmuls_bf16_s"]
 
 
 def read_gbs(m: dict[str, Any]) -> float:
@@ -231,30 +271,43 @@ def read_gbs(m: dict[str, Any]) -> float:
 
 
 def step_fractions(m: dict[str, Any], shape: Shape, step: dict[str, float], lora_r: int, head_recompute: bool,
-                   checkpointing: bool = True) -> dict[str, Any]:
+                   checkpointing: bool = True, precision: str = "fp32") -> dict[str, Any]:
     """Achieved / bound for one side's median step: generation (per decode step) and the update
-    (with its decoder layers recomputed, or not: ``checkpointing``).
+    (with its decoder layers recomputed, or not: ``checkpointing``), against the physical limit of
+    ``precision`` (bandwidth for its weight bytes, its large-shape matmul peak) and against what its
+    BLAS achieves at the actual shapes (the decode step's matmuls alone; the update's FLOPs at the
+    training-shape rate).
 
     ``step`` needs generation_s, update_s, decode_steps (longest completion), rows, context (mean
     context length while decoding), lengths (tokens per row) and loss_tokens.
     """
-    ceiling = m["sgemm_gflops"]["square_2048"]
-    dec = decode_bound_s(shape, int(step["rows"]), step["context"], read_gbs(m), ceiling)
+    rates = gemm_rates(m, precision)
+    ceiling = rates["square_2048"]
+    train_rate = next(v for k, v in rates.items() if k.startswith("train_"))
+    dec = decode_bound_s(shape, int(step["rows"]), step["context"], read_gbs(m), ceiling, DTYPE_BYTES[precision])
     achieved_step = step["generation_s"] / max(step["decode_steps"], 1)
+    matmuls = decode_matmuls_of(m, precision)
     fl = update_flops(shape, step["lengths"], int(step["loss_tokens"]), lora_r=lora_r, checkpointing=checkpointing, head_recompute=head_recompute)
     update_bound = fl["total"] / (ceiling * 1e9)
+    update_blas = fl["total"] / (train_rate * 1e9)
     return {
+        "precision": precision,
         "decode_step_ms": achieved_step * 1e3,
         "decode_bound_ms": dec["bound_s"] * 1e3,
         "decode_memory_bound_ms": dec["memory_s"] * 1e3,
         "decode_compute_bound_ms": dec["compute_s"] * 1e3,
-        "decode_matmuls_ms": m["decode_matmuls_s"] * 1e3,
+        "decode_matmuls_ms": matmuls * 1e3,
         "generation_fraction_of_bound": dec["bound_s"] / achieved_step,
+        "generation_fraction_of_blas": matmuls / achieved_step,
+        "blas_decode_fraction_of_bound": dec["bound_s"] / matmuls,
         "update_flops": fl,
         "update_bound_s": update_bound,
+        "update_blas_s": update_blas,
         "update_gflops": fl["total"] / step["update_s"] / 1e9,
         "update_fraction_of_ceiling": update_bound / step["update_s"],
+        "update_fraction_of_blas": update_blas / step["update_s"],
         "ceiling_gflops": ceiling,
+        "train_shape_gflops": train_rate,
         "read_gbs": read_gbs(m),
     }
 
@@ -305,6 +358,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"         decode step ({args.rows} rows): >= {mem * 1e3:.1f} ms reading {shape.decode_bytes() / 1e6:.0f} MB, "
               f">= {comp * 1e3:.1f} ms of FLOPs; its matmuls alone take {m['decode_matmuls_s'] * 1e3:.1f} ms "
               f"({m['decode_matmuls_gbs']:.1f} GB/s); other processes {m['load']['other_cores']:.2f} cores")
+        mem16 = shape.decode_bytes(2) / (read_gbs(m) * 1e9)
+        comp16 = shape.decode_flops(args.rows, 64) / (m["bf16_gemm_gflops"]["square_2048"] * 1e9)
+        print(f"         bf16 ({'native' if m['cpu_bf16']['native'] else 'NOT native'}: {m['cpu_bf16']['evidence']}): " +
+              ", ".join(f"{k} {v:.0f}" for k, v in m["bf16_gemm_gflops"].items()) + " GFLOP/s; decode step >= "
+              f"{mem16 * 1e3:.1f} ms reading {shape.decode_bytes(2) / 1e6:.0f} MB, >= {comp16 * 1e3:.1f} ms of FLOPs; "
+              f"its matmuls alone take {m['decode_matmuls_bf16_s'] * 1e3:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -1,10 +1,18 @@
-"""One GRPO step, lldslight vs TRL's GRPOTrainer, on identical single-turn work, at 1 and 2 threads.
+"""One GRPO step, lldslight vs TRL's GRPOTrainer, on identical single-turn work, at 1 and 2 threads,
+in fp32 and in bf16.
 
-    python benchmarks/step.py --json step.json      # THE command: 1 and 2 threads, 3 rounds each
-    python benchmarks/step.py --threads 2 --rounds 5
+    python benchmarks/step.py --json step.json      # THE command: fp32 and bf16, 1 and 2 threads, 3 rounds each
+    python benchmarks/step.py --precision bf16 --threads 2 --rounds 5
     python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
 
-Both sides: SmolLM2-135M-Instruct in fp32 (the de-quantised cache dir lldslight makes from the
+Both sides run at the same precision, each at its best setting for it (``--precision``, default
+both in turn): fp32 = every weight and all compute in fp32 (lldslight ``policy.precision: fp32``,
+TRL ``bf16=False`` with an fp32 model); bf16 = lldslight ``policy.precision: bf16-mixed`` (bf16
+base, fp32 adapter and optimiser, bf16 autocast, fp32 log-softmax; docs/precision.md) and TRL
+``bf16=True`` with the model loaded in bf16 (``model_init_kwargs.dtype``: TRL generates outside the
+Trainer's autocast, so fp32 weights would decode in fp32; peft keeps the adapter fp32).
+
+Both sides: SmolLM2-135M-Instruct (the de-quantised cache dir lldslight makes from the
 bundled GGUF; TRL loads it by path), the same prompts, G, max new tokens, sampling settings
 (temperature 1, no top-p/top-k), LoRA r=16 on all linear layers, gradient checkpointing, the
 "grpo" aggregation (seq-mean-token-mean), one optimiser update per step, the same micro-batch
@@ -30,8 +38,11 @@ defaults, or with the same tunables under ``--malloc same`` (a like-for-like all
 Also per side: memory (peak RSS of the process; and, from the idle process after the warm-up
 step, with weights loaded, the peak above it during generation and during the update, from the
 kernel's VmHWM reset per phase), and the bounds (benchmarks/bounds.py, measured in the same
-invocation): a decode step against memory bandwidth and the sgemm ceiling, and the update's FLOPs
-against the ceiling, as fractions.
+invocation, once per thread count for both precisions): a decode step against memory bandwidth and
+the matmul peak of its precision (the physical limit) and against its matmuls alone at the actual
+shapes (the BLAS), and the update's FLOPs against the peak and against the training-shape rate, as
+fractions. The closing note says how far each ratio is from 0.5x and each decode step from the
+physical limit.
 """
 from __future__ import annotations
 
@@ -57,6 +68,10 @@ TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
 SIDES = ("lldslight", "lldslight-auto", "trl")
 LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto")
+PRECISIONS = ("fp32", "bf16")
+LLDSLIGHT_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed"}  # policy.precision per benchmark precision
+TARGET_RATIO = 0.5  # issue 22: step <= 0.5x TRL's
+TARGET_DECODE_FRACTION = 0.4  # issue 22: a bf16 decode step >= 40% of the physical limit
 
 # Open-ended requests so that most completions run to the token budget on both sides: the work
 # per step then depends on the config, not on when a sample happens to emit EOS.
@@ -261,7 +276,7 @@ def worker_lldslight(spec: dict) -> dict:
     module = BenchModule(
         policy=PolicyConfig(
             model=spec["model_dir"],
-            dtype="float32",
+            precision=LLDSLIGHT_PRECISION[spec.get("precision", "fp32")],
             lora=LoRAConfig(r=spec["lora_r"], alpha=2 * spec["lora_r"]),
             gradient_checkpointing=spec.get("checkpointing", True),
             activation_budget_mb=spec.get("activation_budget_mb", 256.0),
@@ -376,6 +391,7 @@ def worker_trl(spec: dict) -> dict:
             out.append(reward(text))
         return out
 
+    bf16 = spec.get("precision", "fp32") == "bf16"
     rows = len(spec["prompts"]) * spec["group_size"]
     if rows % spec["micro_batch"]:
         raise ValueError(f"prompts x group_size = {rows} must be a multiple of --micro-batch {spec['micro_batch']}")
@@ -395,7 +411,7 @@ def worker_trl(spec: dict) -> dict:
             max_grad_norm=1.0,
             max_steps=spec["warmup"] + spec["steps"],
             gradient_checkpointing=True,
-            bf16=False,
+            bf16=bf16,
             use_cpu=True,
             logging_steps=10_000,
             save_strategy="no",
@@ -403,7 +419,7 @@ def worker_trl(spec: dict) -> dict:
             disable_tqdm=True,
             seed=spec["seed"],
             dataloader_num_workers=0,
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+            model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32, "attn_implementation": "sdpa"},
         )
         dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in spec["prompts"]]})
         lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -523,20 +539,26 @@ def bounds_table(fractions: dict, sides: list[str]) -> str:
     for s in sides:
         f = fractions[s]
         lines.append(
-            f"  {s:9}: decode step {f['decode_step_ms']:.1f} ms vs bound {f['decode_bound_ms']:.1f} ms "
-            f"(memory {f['decode_memory_bound_ms']:.1f}, FLOPs {f['decode_compute_bound_ms']:.1f}; matmuls alone "
-            f"{f['decode_matmuls_ms']:.1f}) = {f['generation_fraction_of_bound']:.0%} of the bound; update "
-            f"{f['update_gflops']:.1f} GFLOP/s of {f['ceiling_gflops']:.0f} = {f['update_fraction_of_ceiling']:.0%} of the ceiling")
+            f"  {s:9}: decode step {f['decode_step_ms']:.1f} ms vs physical limit {f['decode_bound_ms']:.1f} ms "
+            f"(memory {f['decode_memory_bound_ms']:.1f}, FLOPs {f['decode_compute_bound_ms']:.1f}) = "
+            f"{f['generation_fraction_of_bound']:.0%}, vs its matmuls alone {f['decode_matmuls_ms']:.1f} ms = "
+            f"{f['generation_fraction_of_blas']:.0%}; update {f['update_gflops']:.1f} GFLOP/s: {f['update_fraction_of_ceiling']:.0%} "
+            f"of the {f['ceiling_gflops']:.0f} GFLOP/s peak, {f['update_fraction_of_blas']:.0%} of the {f['train_shape_gflops']:.0f} "
+            f"GFLOP/s training-shape rate")
     return "\n".join(lines)
 
 
-def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: dict, policy: harness.Policy, shape) -> dict:
+def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: dict, policy: harness.Policy, shape,
+                    measured_bounds: dict | None = None) -> dict:
+    """One precision (``spec["precision"]``) at one thread count. ``measured_bounds``: this thread
+    count's bounds when an earlier precision measured them (they cover both precisions)."""
     import bounds
 
     spec = dict(spec, threads=threads)
-    out: dict = {"threads": threads}
+    precision = spec.get("precision", "fp32")
+    out: dict = {"threads": threads, "precision": precision}
     if not args.no_bounds:
-        out["bounds"] = bounds.measure(threads, shape, rows=len(spec["prompts"]) * spec["group_size"])
+        out["bounds"] = measured_bounds or bounds.measure(threads, shape, rows=len(spec["prompts"]) * spec["group_size"])
 
     def run(side):
         return run_figures(run_worker(side, pythons[side], spec, args.timeout))
@@ -562,7 +584,7 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
             # lldslight recomputes no vocabulary projection (logprobs.py); "auto" kept every layer's
             # activations when they fit the budget: its bound is the update without recompute.
             out["fractions"][s] = bounds.step_fractions(out["bounds"], shape, med, lora_r=spec["lora_r"], head_recompute=False,
-                                                        checkpointing=s != "lldslight-auto")
+                                                        checkpointing=s != "lldslight-auto", precision=precision)
         first = harness.kept(attempts, sides[0])[0].metrics["steps"][0]
         out["update_variants_gflop"] = bounds.update_variants(shape, first["lengths"], first["loss_tokens"], spec["lora_r"])
     return out
@@ -571,7 +593,7 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
 def print_threads(res: dict, args, sides: list[str]) -> None:
     print()
     print(
-        f"GRPO step, single-turn, SmolLM2-135M-Instruct fp32 LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
+        f"GRPO step, single-turn, SmolLM2-135M-Instruct {res.get('precision', 'fp32')} LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
         f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
         f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)"
     )
@@ -581,6 +603,10 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
         b = res["bounds"]
         print(f"bounds at {res['threads']} thread(s): read {bounds_read(b):.1f} GB/s, sgemm {b['sgemm_gflops']['square_2048']:.0f} GFLOP/s "
               f"(2048^2), decode-shape sgemm " + ", ".join(f"{k} {v:.0f}" for k, v in b["sgemm_gflops"].items() if k != "square_2048"))
+        if "bf16_gemm_gflops" in b:
+            print(f"  bf16 ({'native' if b['cpu_bf16']['native'] else 'NOT native'}, {b['cpu_bf16']['evidence']}): "
+                  f"{b['bf16_gemm_gflops']['square_2048']:.0f} GFLOP/s (2048^2), " +
+                  ", ".join(f"{k} {v:.0f}" for k, v in b["bf16_gemm_gflops"].items() if k != "square_2048"))
         print(bounds_table(res["fractions"], sides))
         print("  update GFLOP for this work: " + ", ".join(f"{k} {v:.1f}" for k, v in res["update_variants_gflop"].items()))
     for suffix, what in (("", "every layer checkpointed, as TRL"), ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB")):
@@ -632,6 +658,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=harness.MIN_ROUNDS, help="alternating A B rounds per thread count; medians over rounds")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, each measured in turn")
+    p.add_argument("--precision", default="fp32,bf16", help="comma-separated, each measured in turn: fp32 (both sides fp32) "
+                                                            "and/or bf16 (lldslight bf16-mixed, TRL bf16=True)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=SIDES, default=None, help="run one side (debugging)")
     p.add_argument("--no-bounds", action="store_true", help="skip measuring bandwidth and sgemm ceilings")
@@ -654,6 +682,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if not 1 <= args.prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be in 1..{len(PROMPTS)}, got {args.prompts}")
+    precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
+    if not precisions or any(x not in PRECISIONS for x in precisions):
+        raise SystemExit(f"--precision must be a comma-separated list of {', '.join(PRECISIONS)}, got {args.precision!r}")
     import bounds
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
@@ -681,23 +712,55 @@ def main(argv: list[str] | None = None) -> None:
     if "trl" in sides:
         pythons["trl"] = ensure_trl_venv(args.trl_python)
     if args.profile:
-        profile(args, spec, sides, pythons)
+        profile(args, dict(spec, precision=precisions[0]), sides, pythons)
         return
     policy = harness.policy_from_args(args)
-    report: dict = {"config": {k: v for k, v in spec.items() if k != "prompts"}, "machine": machine(), "threads": {}}
-    for t in [int(x) for x in args.threads.split(",")]:
-        res = measure_threads(t, args, spec, sides, pythons, policy, shape)
-        report["threads"][str(t)] = res
-        print_threads(res, args, sides)
-        if args.json:  # after each thread count: a long run that stops later keeps what it measured
-            Path(args.json).write_text(json.dumps(report, indent=1))
-    for key in ("step_time_ratio", "step_time_ratio_auto"):
-        if all(key in r for r in report["threads"].values()) and report["threads"]:
-            report[key] = {t: r[key] for t, r in report["threads"].items()}
-            print(f"\n{key}: " + ", ".join(f"{t} thread(s) {r:.3f}" for t, r in report[key].items()))
-    report["quiet"] = all(r["quiet"]["quiet"] for r in report["threads"].values())
+    report: dict = {"config": {k: v for k, v in spec.items() if k != "prompts"}, "machine": machine(), "precisions": {}}
+    measured_bounds: dict = {}
+    for precision in precisions:
+        runs_p = report["precisions"][precision] = {"threads": {}}
+        for t in [int(x) for x in args.threads.split(",")]:
+            res = measure_threads(t, args, dict(spec, precision=precision), sides, pythons, policy, shape, measured_bounds.get(t))
+            if "bounds" in res:
+                measured_bounds[t] = res["bounds"]
+            runs_p["threads"][str(t)] = res
+            print_threads(res, args, sides)
+            if args.json:  # after each run: a long run that stops later keeps what it measured
+                Path(args.json).write_text(json.dumps(report, indent=1))
+        for key in ("step_time_ratio", "step_time_ratio_auto"):
+            if runs_p["threads"] and all(key in r for r in runs_p["threads"].values()):
+                runs_p[key] = {t: r[key] for t, r in runs_p["threads"].items()}
+                report.setdefault(key, {})[precision] = runs_p[key]
+    report["closing_note"] = closing_note(report)
+    print("\n" + "\n".join(report["closing_note"]))
+    report["quiet"] = all(r["quiet"]["quiet"] for p in report["precisions"].values() for r in p["threads"].values())
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def closing_note(report: dict) -> list[str]:
+    """Per precision and thread count: the step ratio against the 0.5x target, and lldslight's
+    decode step against the physical limit (and the 40% target in bf16)."""
+    lines = []
+    for precision, runs in report["precisions"].items():
+        for t, res in runs["threads"].items():
+            parts = [f"{precision}, {t} thread(s):"]
+            for key, name in (("step_time_ratio", "step ratio"), ("step_time_ratio_auto", "step ratio (auto)")):
+                if key in res:
+                    r = res[key]
+                    parts.append(f"{name} {r:.3f} = {r / TARGET_RATIO:.2f}x the {TARGET_RATIO}x target"
+                                 f" ({'met' if r <= TARGET_RATIO else 'missed'});")
+            f = res.get("fractions", {}).get("lldslight")
+            if f is not None:
+                target = f" (target {TARGET_DECODE_FRACTION:.0%}: {'met' if f['generation_fraction_of_bound'] >= TARGET_DECODE_FRACTION else 'missed'})" \
+                    if precision == "bf16" else ""
+                parts.append(f"decode step at {f['generation_fraction_of_bound']:.0%} of the physical limit{target}, "
+                             f"{f['generation_fraction_of_blas']:.0%} of its matmuls alone; update at "
+                             f"{f['update_fraction_of_ceiling']:.0%} of the peak")
+            lines.append(" ".join(parts))
+    quiet = all(r["quiet"]["quiet"] for p in report["precisions"].values() for r in p["threads"].values())
+    lines.append("quiet machine: every run" if quiet else "NOT QUIET: some runs had other load (see each run's quiet line)")
+    return lines
 
 
 def machine() -> dict:

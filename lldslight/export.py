@@ -7,7 +7,7 @@ policy config the checkpoint stores in its hyper-parameters (``model.policy``), 
 the same place (hub id, directory, GGUF or random init with its seed). A quantized base (QLoRA)
 is quantized as in training and dequantized to float32 before the merge: the adapter was trained
 against the dequantized 4/8-bit weights, not the original ones, so the export is the policy that
-was trained (saved in ``--dtype``, by default model.policy.dtype, bfloat16 when that is "auto").
+was trained (saved in ``--dtype``, by default the policy's precision: float32 for fp32, else bfloat16).
 """
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ def load_checkpoint(path: Path) -> dict:
 
 def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
     """Write the merged model and its tokenizer to ``out``; return ``out``."""
-    from lldslight.policy import load_policy, resolve_dtype, save_merged
+    from lldslight.policy import export_dtype, load_policy, resolve_dtype, save_merged
 
     ckpt, out = Path(ckpt), Path(out)
     checkpoint = load_checkpoint(ckpt)
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
     # Merge in float32 on whatever machine this runs on; cast once at the end.
-    target = dtype or (policy.dtype if policy.dtype != "auto" else "bfloat16")
-    build = dataclasses.replace(policy, dtype="float32", gradient_checkpointing=False)
+    target = dtype or export_dtype(policy)
+    build = dataclasses.replace(policy, precision="fp32", dtype=None, gradient_checkpointing=False)
     model, tokenizer = load_policy(build, dequantize=True)
     state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
     if not state:
@@ -100,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by lldslight fit (e.g. .../checkpoints/last.ckpt)")
     parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="dtype of the saved weights (default: model.policy.dtype; bfloat16 when that is 'auto')")
+                        help="dtype of the saved weights (default: float32 for model.policy.precision fp32, else bfloat16)")
     args = parser.parse_args(argv)
     out = export(args.ckpt, args.out, args.dtype)
     print(f"[lldslight] exported {args.ckpt} -> {out}")

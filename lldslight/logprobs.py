@@ -15,6 +15,13 @@ so the backward computes no logits again and runs no log_softmax backward. A tra
 (full fine-tuning) needs d/dW too: then the forward keeps the log-sum-exp [c] and the backward
 recomputes each chunk's z and forms g (onehot(t) - softmax(z)) in place. The chunk size comes
 from a byte budget per [c, V] fp32 buffer (``chunk_bytes``): a chunk holds at most two.
+
+Precision (docs/precision.md): the projection h W^T (and the Jacobian's softmax(z) W) runs in the
+compute dtype, bf16 under policy.precision bf16-mixed / bf16-true, with fp32 accumulation; its bf16
+logits are upcast before anything else, so the max, the log-sum-exp, log p, the entropy and every
+gradient into the loss are fp32. :func:`token_logprobs` runs the whole forward under the model's
+precision (``precision_autocast``), exactly as the sampler does; inside ``ChunkedLogprob``
+autocast is off and the dtypes are explicit (autocast would run the entropy's bmm in bf16).
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from lldslight.policy import causal_lm, decoder_and_head
+from lldslight.policy import causal_lm, decoder_and_head, precision_autocast
 
 CHUNK_BYTES = 32 * 2**20  # one [chunk, V] fp32 buffer: 170 positions at V = 49k, 55 at 152k
 
@@ -69,7 +76,17 @@ class ChunkedLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: float,
-                chunk: int, entropy: str, backward: str):
+                chunk: int, entropy: str, backward: str, compute_dtype: Optional[torch.dtype] = None):
+        ctx.compute_dtype = compute_dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            return ChunkedLogprob._forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, backward)
+
+    @staticmethod
+    def _forward(ctx, hidden_in: Tensor, weight_in: Tensor, bias_in: Optional[Tensor], targets: Tensor, temperature: float,
+                 chunk: int, entropy: str, backward: str):
+        # The projection's operands in the compute dtype: one cast of the head per call (a no-op
+        # when it is stored in it), as autocast would do for the sampler's head(hidden).
+        hidden, weight, bias = _in_compute_dtype(ctx.compute_dtype, hidden_in, weight_in, bias_in)
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         logp = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -103,8 +120,9 @@ class ChunkedLogprob(torch.autograd.Function):
         if backward == "input":
             ctx.save_for_backward(jac, jac_ent)
         elif backward == "recompute":
-            ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.entropy, ctx.mode, ctx.hidden_dtype = temperature, chunk, entropy, backward, hidden.dtype
+            # The stored tensors, not their casts: the backward casts again (no second head copy kept).
+            ctx.save_for_backward(hidden_in, weight_in, bias_in, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.entropy, ctx.mode, ctx.hidden_dtype = temperature, chunk, entropy, backward, hidden_in.dtype
         ctx.set_materialize_grads(False)  # an unused entropy's gradient stays None, not [n] zeros
         if entropy != "loss":
             ctx.mark_non_differentiable(ent)
@@ -113,6 +131,12 @@ class ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
+        device = (g_logp if g_logp is not None else g_ent).device
+        with torch.autocast(device.type, enabled=False):
+            return ChunkedLogprob._backward(ctx, g_logp, g_ent) + (None,)
+
+    @staticmethod
+    def _backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor]):
         if ctx.mode == "none":
             raise RuntimeError("ChunkedLogprob was run with backward='none': it keeps nothing to differentiate")
         entropy_grad = ctx.entropy == "loss" and g_ent is not None
@@ -122,14 +146,15 @@ class ChunkedLogprob(torch.autograd.Function):
             if entropy_grad:
                 grad_h += jac_ent * g_ent[:, None]
             return grad_h.to(ctx.hidden_dtype), None, None, None, None, None, None, None
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        hidden_in, weight_in, bias_in, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, bias = _in_compute_dtype(ctx.compute_dtype, hidden_in, weight_in, bias_in)
         if g_logp is None:  # only the entropy is used
             g_logp = torch.zeros_like(lse)
         T, chunk = ctx.temperature, ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=lse.dtype) if need_b and bias is not None else None
+        grad_h = torch.empty_like(hidden_in) if need_h else None
+        grad_w = torch.zeros_like(weight_in, dtype=lse.dtype) if need_w else None  # fp32 accumulation
+        grad_b = torch.zeros_like(bias_in, dtype=lse.dtype) if need_b and bias_in is not None else None
         for s in range(0, hidden.shape[0], chunk):
             sl = slice(s, s + chunk)
             h, g = hidden[sl], g_logp[sl, None]  # [c, H], [c, 1]
@@ -152,10 +177,16 @@ class ChunkedLogprob(torch.autograd.Function):
                 grad_b += grad_z.sum(0)
             del grad_z, logp_all
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = grad_w.to(weight_in.dtype)
         if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
+            grad_b = grad_b.to(bias_in.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _in_compute_dtype(dtype: Optional[torch.dtype], *tensors: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+    if dtype is None:
+        return tensors
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def _logits_stats(head: nn.Module, h: Tensor, targets: Tensor, temperature: float, entropy: str) -> tuple[Tensor, Tensor]:
@@ -190,6 +221,12 @@ def token_logprobs(
     Returns two [B, T] tensors in float32 (float64 for a float64 model), zero where ``mask`` is off
     (including t = 0).
     """
+    with precision_autocast(model):  # the sampler's arithmetic (policy.precision), for every forward
+        return _token_logprobs(model, input_ids, attention_mask, mask, chunk_size, temperature, with_entropy, entropy_grad, chunk_bytes)
+
+
+def _token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, chunk_size: Optional[int],
+                    temperature: float, with_entropy: bool, entropy_grad: bool, chunk_bytes: int) -> tuple[Tensor, Tensor]:
     decoder, head = decoder_and_head(model)
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     mask = mask.bool().clone()
@@ -220,7 +257,10 @@ def _project(model: nn.Module, head: nn.Module, selected: Tensor, targets: Tenso
             backward = "recompute"
         else:
             backward = "input" if selected.requires_grad else "none"
-        return ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy, backward)
+        device = selected.device.type
+        # Under autocast (bf16-mixed) the projection computes in its dtype, as the sampler's head does.
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and weight.dtype in (torch.float32, torch.float64) else None
+        return ChunkedLogprob.apply(selected, weight, head.bias, targets, temperature, chunk, entropy, backward, compute)
     chunk = chunk_positions(causal_lm(model).config.vocab_size, chunk_size, chunk_bytes, selected.shape[0])
     stats = _logits_stats
     if torch.is_grad_enabled() and selected.requires_grad:

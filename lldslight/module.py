@@ -29,7 +29,7 @@ from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy
 from lldslight.errors import require
 from lldslight.checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import PolicyConfig, has_adapter, load_policy, require_bitsandbytes
+from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate  # noqa: F401 (the hooks' contracts)
@@ -57,8 +57,9 @@ class GRPOModule(pl.LightningModule):
             whose forwards are collectives that need the same micro-batch count on every rank.
         old_logp_source: "recompute" runs a forward pass for pi_old's log-probs (veRL's way);
             "rollout" takes the log-probs the sampler computed while generating (identical weights
-            and temperature; they agree to ~1e-5 in fp32, tested) and saves that pass. Prefer
-            "recompute" in bf16 or with a separate inference engine.
+            and temperature; they agree to ~1e-5 in fp32, tested) and saves that pass. fp32 only:
+            in bf16 the sampler's and the trainer's forwards round differently, the on-policy
+            ratio would not be 1 (refused; ``rollout/logp_mismatch`` shows by how much).
         reuse_onpolicy_logp: the first mini-batch's update runs on the weights that sampled the
             rollouts, so its old log-probs are its own log-probs, detached: skip their separate
             no-grad pass (with ``updates_per_rollout: 1``, the whole pass). False computes them all
@@ -137,6 +138,12 @@ class GRPOModule(pl.LightningModule):
         require(minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", minibatch_grouping)
         require(negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'", negative_advantages)
         require(ratio_clamp is None or ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null", ratio_clamp)
+        if old_logp_source == "rollout" and policy.precision != "fp32":
+            arith = resolve_precision(policy)  # "auto" asks the hardware now (cheap), so this fails before loading
+            require(arith.precision == "fp32", "model.old_logp_source", "'recompute' under policy.precision "
+                    f"{policy.precision}{' -> ' + arith.precision if policy.precision == 'auto' else ''}", old_logp_source,
+                    "the sampler's and the trainer's bf16 forwards round differently, so the on-policy ratio would not be 1; "
+                    "'recompute' costs no forward for the on-policy mini-batch (reuse_onpolicy_logp)")
         self.policy_config = policy
         self.fsdp_config = fsdp
         self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
@@ -163,6 +170,11 @@ class GRPOModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         # Lightning runs this after the data and callbacks are set up and before configure_model
         # loads the weights: settings that need the trainer, and the model's location, fail here.
+        # Lightning's precision plugins autocast training_step but not the callbacks that sample:
+        # the sampler and the trainer would compute differently. policy.precision covers both.
+        precision = str(getattr(self.trainer, "precision", "32-true"))
+        require(precision in ("32-true", "32", "64-true", "64"), "trainer.precision", "'32-true' (set model.policy.precision "
+                "instead: it applies to sampling and training alike)", precision)
         if stage == "fit" and self.hparams.warmup_steps is None and self.hparams.warmup_ratio > 0:
             require(self.trainer.max_steps > 0, "trainer.max_steps", "> 0 with model.warmup_ratio > 0 (or set "
                     "model.warmup_steps)", self.trainer.max_steps, "the warm-up is a fraction of max_steps")
@@ -186,8 +198,19 @@ class GRPOModule(pl.LightningModule):
             # copies on the host at once would double the peak host memory of every rank).
             self.reference = (load_policy(self.policy_config)[0] if mesh is not None else copy.deepcopy(self.policy)).eval()
             self.reference.requires_grad_(False)
+            arith = model_arithmetic(self.reference)
+            if arith is not None:
+                self.reference.to(arith.frozen)  # frozen: bf16 under bf16-mixed, whose policy trains in fp32
             if mesh is not None:
                 shard_policy(self.reference, mesh, self.fsdp_config)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        # Lightning's default bar counts batches of an epoch ("Epoch 0/-2" under max_steps): a step
+        # bar replaces it (Lightning swaps a returned subclass in for its base class's instance).
+        from lldslight.callbacks.progress import step_bar_for
+
+        bar = step_bar_for(self._trainer.progress_bar_callback) if self._trainer is not None else None
+        return [bar] if bar is not None else []
 
     def add_loss_term(self, name: str, fn: LossTerm) -> None:
         self.loss_terms[name] = fn

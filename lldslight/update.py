@@ -283,6 +283,8 @@ def update(module: "GRPOModule", traj: Trajectory, rows: Tensor, update_index: i
             sub = dataclasses.replace(sub, old_logp=logp.detach().masked_fill(~sub.loss_mask, 0.0))
             filled.append((idx, sub.old_logp))
         loss, stats = micro_batch_loss(module, sub, logp, entropy, totals, searches, update_index)
+        if update_index == 0 and sub.sample_logp is not None:
+            stats.update(logp_mismatch(sub.sample_logp, logp.detach(), sub.loss_mask, totals.tokens))
         with gradient_sync(module, enabled=i == len(micro) - 1):
             if bool(torch.isfinite(loss)):
                 module.manual_backward(loss * scale)
@@ -303,6 +305,21 @@ def update(module: "GRPOModule", traj: Trajectory, rows: Tensor, update_index: i
         for idx, values in filled:
             old_logp[idx.to(old_logp.device), : values.shape[1]] = values
     return _Update({k: float(v) for k, v in summed.items()}, shared, old_logp)
+
+
+def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float) -> dict[str, Tensor]:
+    """The sampler/trainer mismatch on the on-policy mini-batch (docs/precision.md), this
+    micro-batch's share: sums over its model tokens divided by the mini-batch's ``tokens``, so
+    the shares add up (over micro-batches and ranks) to means over the mini-batch.
+
+    The trainer's log-probs are those of the mini-batch's first forward: the weights that sampled,
+    so no extra forward. ``rollout/logp_mismatch``: mean |log q - log p| in nats per token, q the
+    sampler, p the trainer. ``rollout/logp_mismatch_kl``: the k3 estimator of KL(q || p) on
+    tokens drawn from q, (r - 1) - log r with r = p / q, unbiased and >= 0 for every token."""
+    ok = mask & torch.isfinite(sampler) & torch.isfinite(trainer)
+    d = torch.where(ok, trainer.double() - sampler.double(), 0.0)  # log r; float64: k3 ~ d^2 / 2 for tiny d
+    n = max(tokens, 1.0)
+    return {"rollout/logp_mismatch": d.abs().sum() / n, "rollout/logp_mismatch_kl": (torch.expm1(d) - d).sum() / n}
 
 
 def micro_batch_loss(

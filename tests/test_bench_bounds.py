@@ -101,4 +101,42 @@ def test_measurements_run_and_report_the_load(bounds):
     for key in ("torch_read_gbs", "torch_copy_gbs", "numpy_read_gbs", "numpy_copy_gbs", "decode_matmuls_gbs"):
         assert m[key] > 0, key
     assert set(m["sgemm_gflops"]) == {"square_2048", "decode_4x64x128", "head_4x64x512", "train_16x64x128"}
+    assert set(m["bf16_gemm_gflops"]) == set(m["sgemm_gflops"]) and all(v > 0 for v in m["bf16_gemm_gflops"].values())
+    assert m["decode_matmuls_bf16_s"] > 0 and m["decode_matmuls_bf16_gbs"] > 0
+    assert isinstance(m["cpu_bf16"]["native"], bool) and m["cpu_bf16"]["evidence"]
     assert m["load"]["wall_s"] > 0 and "other_cores" in m["load"]
+
+
+def _measured(fp32_peak, bf16_peak, fp32_train, bf16_train, fp32_chain_s, bf16_chain_s, read_gbs=10.0):
+    """A measure() result with chosen numbers (only the keys step_fractions reads)."""
+    return {"torch_read_gbs": read_gbs, "numpy_read_gbs": read_gbs / 2,
+            "sgemm_gflops": {"square_2048": fp32_peak, "train_512x576x1536": fp32_train},
+            "bf16_gemm_gflops": {"square_2048": bf16_peak, "train_512x576x1536": bf16_train},
+            "decode_matmuls_s": fp32_chain_s, "decode_matmuls_bf16_s": bf16_chain_s}
+
+
+def test_step_fractions_per_precision_by_hand(bounds):
+    """A decode step of 8 rows, context 0, on SmolLM2-135M: fp32 reads 538,060,032 bytes, bf16 half;
+    both do 8 x 2 x 134,479,872 = 2,151,677,952 FLOPs (test_decode_bound_for_known_bytes_and_bandwidth)."""
+    s = bounds.Shape(**SMOLLM2)
+    m = _measured(fp32_peak=100.0, bf16_peak=400.0, fp32_train=50.0, bf16_train=200.0, fp32_chain_s=0.080, bf16_chain_s=0.040)
+    step = {"generation_s": 1.0, "decode_steps": 10, "rows": 8, "context": 0, "update_s": 2.0, "lengths": [20] * 8, "loss_tokens": 80}
+    fp32 = bounds.step_fractions(m, s, step, lora_r=16, head_recompute=False, precision="fp32")
+    bf16 = bounds.step_fractions(m, s, step, lora_r=16, head_recompute=False, precision="bf16")
+    assert fp32["decode_step_ms"] == bf16["decode_step_ms"] == pytest.approx(100.0)
+    # fp32: memory 53.8 ms > FLOPs 21.5 ms at 100 GFLOP/s; bf16: memory 26.9 ms > FLOPs 5.4 ms at 400
+    assert fp32["decode_bound_ms"] == fp32["decode_memory_bound_ms"] == pytest.approx(53.806, rel=1e-4)
+    assert bf16["decode_bound_ms"] == bf16["decode_memory_bound_ms"] == pytest.approx(26.903, rel=1e-4)
+    assert bf16["decode_compute_bound_ms"] == pytest.approx(2_151_677_952 / 400e9 * 1e3, rel=1e-6)
+    assert fp32["generation_fraction_of_bound"] == pytest.approx(0.53806, rel=1e-4)
+    assert bf16["generation_fraction_of_bound"] == pytest.approx(0.26903, rel=1e-4)
+    # against the matmuls alone at the actual shapes: 80 of 100 ms, 40 of 100 ms
+    assert fp32["generation_fraction_of_blas"] == pytest.approx(0.8) and bf16["generation_fraction_of_blas"] == pytest.approx(0.4)
+    assert bf16["blas_decode_fraction_of_bound"] == pytest.approx(26.903 / 40.0, rel=1e-4)
+    # the update: the same FLOPs, at each precision's peak and training-shape rate
+    total = bounds.update_flops(s, [20] * 8, 80, lora_r=16, checkpointing=True)["total"]
+    assert fp32["update_bound_s"] == pytest.approx(total / 100e9) and bf16["update_bound_s"] == pytest.approx(total / 400e9)
+    assert bf16["update_blas_s"] == pytest.approx(total / 200e9)
+    assert bf16["update_fraction_of_ceiling"] == pytest.approx(total / 400e9 / 2.0)
+    assert bf16["update_fraction_of_blas"] == pytest.approx(total / 200e9 / 2.0)
+    assert fp32["precision"] == "fp32" and bf16["ceiling_gflops"] == 400.0

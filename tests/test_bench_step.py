@@ -93,3 +93,28 @@ def test_host_overhead_runs_end_to_end(tmp_path):
         assert a["load"]["wall_s"] > 0 and a["metrics"]["ms_per_step"] > 0
     assert report["ratio"]["ratio_of_medians"] == pytest.approx(
         saved["sides"]["engine"]["ms_per_step"]["median"] / saved["sides"]["generate"]["ms_per_step"]["median"])
+
+
+def test_closing_note_against_the_targets(step):
+    """The note says how far each ratio is from 0.5x and each decode step from the physical limit."""
+    quiet = {"quiet": True}
+    report = {"precisions": {
+        "fp32": {"threads": {"1": {"step_time_ratio": 0.8, "quiet": quiet,
+                                   "fractions": {"lldslight": {"generation_fraction_of_bound": 0.12, "generation_fraction_of_blas": 0.9,
+                                                               "update_fraction_of_ceiling": 0.3}}}}},
+        "bf16": {"threads": {"1": {"step_time_ratio": 0.45, "step_time_ratio_auto": 0.4, "quiet": quiet,
+                                   "fractions": {"lldslight": {"generation_fraction_of_bound": 0.41, "generation_fraction_of_blas": 0.95,
+                                                               "update_fraction_of_ceiling": 0.5}}}}},
+    }}
+    fp32, bf16, last = step.closing_note(report)
+    assert fp32.startswith("fp32, 1 thread(s): step ratio 0.800 = 1.60x the 0.5x target (missed);")
+    assert "decode step at 12% of the physical limit, 90% of its matmuls alone" in fp32 and "target" not in fp32.split(";")[-1]
+    assert "step ratio 0.450 = 0.90x the 0.5x target (met); step ratio (auto) 0.400 = 0.80x" in bf16
+    assert "decode step at 41% of the physical limit (target 40%: met)" in bf16
+    assert last == "quiet machine: every run"
+
+
+def test_precisions_map_to_each_sides_setting(step):
+    assert step.LLDSLIGHT_PRECISION == {"fp32": "fp32", "bf16": "bf16-mixed"}
+    with pytest.raises(SystemExit, match="--precision must be"):
+        step.main(["--precision", "fp16", "--only", "lldslight"])
