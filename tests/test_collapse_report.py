@@ -112,3 +112,21 @@ def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
     assert collapse.main(["--report-only", "--archive", str(archive), "--out", str(out)]) == 0
     again = json.loads((archive / "collapse.json").read_text())
     assert again["runs"] == result["runs"] and (archive / "collapse.md").is_file()
+
+
+def test_alarm_scoring_by_hand() -> None:
+    """benchmarks/alarm_eval.py's scoring: a warning counts for a collapse within 100 steps after
+    it; earlier or collapse-less warnings are false alarms."""
+    ev = load_benchmark("alarm_eval")
+    assert ev.score([150, 250], 270, 100, 20) == {"false": 1, "lead": 20, "warned": True}
+    assert ev.score([260], 270, 100, 20) == {"false": 0, "lead": 10, "warned": False}
+    assert ev.score([280], 270, 100, 20) == {"false": 1, "lead": None, "warned": False}  # after the fall
+    assert ev.score([10, 90], None, 100, 20) == {"false": 2, "lead": None, "warned": False}
+
+
+def test_reward_baseline_fires_when_the_condition_starts(tmp_path) -> None:
+    ev = load_benchmark("alarm_eval")
+    archived(tmp_path / "grpo" / "seed0", [0.8] * 80 + [0.55] * 40)
+    (run,) = ev.load_runs([str(tmp_path)])
+    # trailing-20 at t >= 80: (0.8 (99 - t) + 0.55 (t - 79)) / 20 < 0.85 x 0.8 <=> t > 88.6 -> first at 89
+    assert ev.reward_warnings(run) == [89]
