@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lldslight.errors import ConfigError, require
+from lldslight.events import log_event
 
 
 class GradientSpikeGuard(pl.Callback):
@@ -253,9 +254,7 @@ class GradientSpikeGuard(pl.Callback):
         rank_zero_warn(self.message)
 
     def _log(self, trainer: pl.Trainer, key: str, value: float) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({key: value}, step=trainer.global_step)
+        log_event(trainer, {key: value}, trainer.global_step)
 
     @staticmethod
     def _capture(pl_module) -> dict[str, Any]:

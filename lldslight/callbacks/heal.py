@@ -49,6 +49,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lldslight.checkpoint import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
+from lldslight.events import log_event
 
 
 def _held(step: int) -> float:
@@ -252,7 +253,7 @@ class Heal(pl.Callback):
         Called at the end of training step ``step``. Returns whether it healed."""
         if len(self.heals) >= self.max_heals or not self.ring:
             why = f"cap of {self.max_heals} heal(s) reached" if self.ring else "no snapshot yet"
-            pl_module.log_dict({"heal/skipped": 1.0, "heal/count": float(len(self.heals))}, on_step=True, on_epoch=False, batch_size=1)
+            log_event(trainer, {"heal/skipped": 1.0, "heal/count": float(len(self.heals))}, step)
             if self.print_heals and trainer.is_global_zero:
                 print(f"[lldslight] HEAL skipped at step {step}: {why} ({reason})", flush=True)
             return False
@@ -288,7 +289,7 @@ class Heal(pl.Callback):
         record = {"step": step, "onset": onset, "rolled_back_to": snap.step, "reason": reason, "before": before, "after": after}
         self.heals.append(record)
         nan = float("nan")
-        pl_module.log_dict({
+        log_event(trainer, {
             "heal/count": float(len(self.heals)),
             "heal/skipped": 0.0,
             "heal/rolled_back_to": float(snap.step),
@@ -298,7 +299,7 @@ class Heal(pl.Callback):
             "heal/updates_per_rollout": float(after["updates_per_rollout"]),
             "heal/kl_coef": after["kl_coef"],
             "heal/snapshot_mb": snap.nbytes / 2**20,
-        }, on_step=True, on_epoch=False, batch_size=1)
+        }, step)
         if self.print_heals and trainer.is_global_zero:
             print(f"[lldslight] HEAL {len(self.heals)}/{self.max_heals} at step {step}: rolled back to the snapshot of step "
                   f"{snap.step} (onset {onset} - margin {self.margin}); {self._describe(before, after)}; {reason}", flush=True)

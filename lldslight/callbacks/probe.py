@@ -27,6 +27,7 @@ import torch
 
 from lldslight import objectives as obj
 from lldslight.errors import require
+from lldslight.events import log_event
 
 
 class LLDProbe(pl.Callback):
@@ -65,8 +66,8 @@ class LLDProbe(pl.Callback):
         result = self.probe(pl_module, rollout.train_engine(pl_module), examples)
         result["step"] = step
         self.results.append(result)
-        pl_module.log_dict({f"probe/{k}": float(v) for k, v in result.items() if k != "step"}, on_step=True, on_epoch=False,
-                           batch_size=len(examples), sync_dist=False)
+        # the row of the step just trained (global_step already counts it)
+        log_event(trainer, {f"probe/{k}": float(v) for k, v in result.items() if k != "step"}, step - 1)
 
     @torch.no_grad()
     def _logp(self, module, traj) -> torch.Tensor:
