@@ -64,7 +64,7 @@ def as_list(value: Any) -> Optional[list]:
 def read_answers(value: Any, path: str | os.PathLike, row: int, field: str) -> list[str]:
     """Gold answers from a list, a string or a bare number (a year stored as 1961); strings may hold
     aliases joined by ANSWER_SPLIT."""
-    if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+    if isinstance(value, str) or (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))):
         items: list = [value]
     else:
         items = as_list(value)  # type: ignore[assignment]
@@ -72,8 +72,10 @@ def read_answers(value: Any, path: str | os.PathLike, row: int, field: str) -> l
             raise field_error(path, row, field, f"expected a list of strings or a string, got {type(value).__name__}")
     out: list[str] = []
     for a in items:
-        if isinstance(a, (int, float)) and not isinstance(a, bool):
-            a = str(a)  # numeric answers (years) are sometimes stored as numbers
+        if isinstance(a, (int, float, np.integer, np.floating)) and not isinstance(a, (bool, np.bool_)):
+            # Numeric answers (years) are sometimes stored as numbers, and a column holding one
+            # float makes them all floats: 1961.0 is the year "1961", which the model writes.
+            a = str(int(a)) if float(a).is_integer() else str(a)
         if not isinstance(a, str):
             raise field_error(path, row, field, f"answer {a!r} is not a string")
         out.extend(p.strip() for p in a.split(ANSWER_SPLIT) if p.strip())
