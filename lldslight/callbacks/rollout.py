@@ -79,6 +79,16 @@ class SearchRollout(pl.Callback):
         if stage == "fit":
             require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
                     "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
+            hp = getattr(pl_module, "hparams", None)
+            updates = hp.get("updates_per_rollout") if hasattr(hp, "get") else None
+            batch = getattr(trainer.datamodule, "batch_size", None)
+            if isinstance(updates, int) and isinstance(batch, int):
+                # Known only here (data.batch_size x rollout.group_size): more mini-batches than rows
+                # would leave some empty, and those updates would silently not happen.
+                rows = batch * self.config.group_size
+                require(updates <= rows, "model.updates_per_rollout",
+                        f"<= the rollout rows per step and rank (data.batch_size {batch} x rollout.group_size "
+                        f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
         # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
         check_retriever(self.retriever, self.config.topk)
         hp = getattr(pl_module, "hparams", {})
