@@ -256,7 +256,7 @@ def test_bad_parquet_row_is_one_line(work, capsys, synth_kb):
     bad = work / "bad_rows.parquet"
     pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(synth_kb["train"])), bad)
     code, err = run_cli(["fit", "--config", str(TINY), "--data.train_files", f"[{bad}]"], work, capsys)
-    assert_one_line_error(code, err, "fit", str(bad), "row 3")
+    assert_one_line_error(code, err, "fit", str(bad), "row 4,")  # table[3]: the 4th row, counted from 1 (issue 23)
 
 
 def test_missing_data_file_is_an_error_not_a_traceback(work, capsys):

@@ -113,6 +113,7 @@ class SearchRollout(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
         unavailable = getattr(self.retriever, "unavailable_count", None)
+        short = getattr(self.retriever, "short_circuited_count", None)
         t0 = time.perf_counter()
         if self.dynamic_sampling.enabled:
             traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
@@ -125,6 +126,11 @@ class SearchRollout(pl.Callback):
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
             pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
                           on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+        if short is not None:  # of those, answered by the open circuit breaker without a request
+            pl_module.log("retrieval/short_circuited", float(self.retriever.short_circuited_count - short), on_step=True,
+                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+            pl_module.log("retrieval/breaker_open", float(self.retriever.breaker_open), on_step=True, on_epoch=False,
+                          reduce_fx="max", batch_size=len(batch), sync_dist=trainer.world_size > 1)
 
     def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
         """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the

@@ -1,7 +1,9 @@
 """What every format reader shares: the error type, field validators, JSON record files.
 
-Every malformed record raises :class:`DataFormatError` naming the file, the row (0-based) and the
-field, because a bad row in a 5000-row parquet is otherwise a needle in a haystack.
+Every malformed record raises :class:`DataFormatError` naming the file, the row and the field,
+because a bad row in a 5000-row parquet is otherwise a needle in a haystack. Rows count from 1, as
+an editor, a spreadsheet or ``sed -n 4p`` counts them: in a .jsonl without blank lines, row N is
+line N; callers pass 0-based indices and ``field_error`` says them 1-based.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ class DataFormatError(UserError, ValueError):
 
 
 def field_error(path: str | os.PathLike, row: Optional[int], field: Optional[str], problem: str) -> DataFormatError:
-    """'{path}, row {row}, field '{field}': {problem}' (row and field when known)."""
+    """'{path}, row {row + 1}, field '{field}': {problem}' (row, 0-based here, and field when known)."""
     where = str(path)
     if row is not None:
-        where += f", row {row}"
+        where += f", row {row + 1}"
     if field is not None:
         where += f", field '{field}'"
     return DataFormatError(f"{where}: {problem}")
