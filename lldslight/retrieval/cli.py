@@ -32,13 +32,18 @@ def _port(text: str) -> int:
 
 
 def _given(p: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The dests of the options written on the command line (not left at their defaults)."""
-    out = set()
-    for action in p._actions:
-        for opt in action.option_strings:
-            if any(a == opt or a.startswith(opt + "=") for a in argv):
-                out.add(action.dest)
-    return out
+    """The dests of the options written on the command line (abbreviated or not), not left at
+    their defaults: ``argv`` parsed again with every default replaced by a marker."""
+    unset = object()
+    saved = {id(a): a.default for a in p._actions}
+    try:
+        for a in p._actions:
+            a.default = unset
+        parsed = vars(p.parse_args(list(argv)))
+    finally:
+        for a in p._actions:
+            a.default = saved[id(a)]
+    return {dest for dest, value in parsed.items() if value is not unset}
 
 
 def _check_against_index(index_dir: str, args: argparse.Namespace, given: set[str]) -> None:
