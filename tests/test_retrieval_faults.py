@@ -88,13 +88,13 @@ def test_a_hung_server_opens_the_circuit_and_searches_answer_at_once(caplog):
         t0 = time.monotonic()
         for _ in range(20):  # the old client waited 1.2 s more for each of these
             assert r.search(["c"], 2) == [[UNAVAILABLE]]
-        assert time.monotonic() - t0 < 0.2
+        assert time.monotonic() - t0 < 1.0  # (bounds loose for a loaded machine; the old client: 24 s)
         assert r.unavailable_count == 22 and r.short_circuited_count == 20
         time.sleep(1.5)  # the cooldown: the next call probes with one attempt, and fails
         got, probe = timed(r.search, ["d"], 2)
-        assert got == [[UNAVAILABLE]] and 0.4 <= probe < 0.4 + 0.5, probe
+        assert got == [[UNAVAILABLE]] and 0.4 <= probe < 0.4 + 1.0, probe
         assert r.breaker_open and r.breaker_opened == 1 and r.short_circuited_count == 20
-        assert timed(r.search, ["e"], 2)[1] < 0.05  # open again
+        assert timed(r.search, ["e"], 2)[1] < 0.2  # open again
     finally:
         sock.close()
     messages = [rec.getMessage() for rec in caplog.records]
@@ -109,13 +109,13 @@ def test_the_circuit_closes_when_the_server_answers_again(corpus, caplog):
     port = free_port()
     bm25 = BM25Retriever(str(corpus), show_progress=False).load()
     r = HttpRetriever(f"http://127.0.0.1:{port}/retrieve", timeout=2, retries=1, backoff=0.01,
-                      on_unavailable="observe", breaker_failures=2, breaker_cooldown=2.0)
+                      on_unavailable="observe", breaker_failures=2, breaker_cooldown=5.0)
     assert r.search(["capital"], 1) == [[UNAVAILABLE]] and r.breaker_open  # nothing listens yet
     opened = time.monotonic()
     with start_server(bm25, port=port):
-        assert time.monotonic() - opened < 1.5, "the server took too long to start for this test's timing"
+        assert time.monotonic() - opened < 4.0, "the server took too long to start for this test's timing"
         assert r.search(["capital"], 1) == [[UNAVAILABLE]]  # still open: no request sent
-        time.sleep(max(0.0, 2.0 - (time.monotonic() - opened)))
+        time.sleep(max(0.0, 5.0 - (time.monotonic() - opened)))
         hits = r.search(["capital"], 1)
         assert hits[0][0].id.startswith("d") and not r.breaker_open
         assert r.search(["river"], 2)[0][0] is not UNAVAILABLE
