@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lldslight.errors import CheckpointError
 
@@ -147,17 +148,16 @@ def check_state_keys(
         head = ", ".join(keys[:5])
         return head + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
 
-    lines = [f"checkpoint {source} does not fit the model (was it written with another model.policy / LoRA config?):"]
+    parts = []
     if unexpected:
-        lines.append(f"  in the checkpoint but not in the model: {show(unexpected)}")
+        parts.append(f"in the checkpoint but not in the model: {show(unexpected)}")
     if missing:
-        lines.append(f"  trainable in the model but not in the checkpoint: {show(missing)}")
+        parts.append(f"trainable in the model but not in the checkpoint: {show(missing)}")
     if mismatched:
-        lines.append(
-            "  shapes differ: "
-            + show([f"{k} {tuple(saved_shapes[k])} vs model {tuple(model_shapes[k])}" for k in mismatched])
-        )
-    raise CheckpointError("\n".join(lines))
+        parts.append("shapes differ: " + show([f"{k} {tuple(saved_shapes[k])} vs model {tuple(model_shapes[k])}" for k in mismatched]))
+    # One line, as every user error: the CLI prints it after "lldslight fit: error:".
+    raise CheckpointError(f"checkpoint {source} does not fit the model (was it written with another model.policy / "
+                          f"LoRA config?): {'; '.join(parts)}")
 
 
 # -- `--ckpt_path last` -----------------------------------------------------------------------------
@@ -172,14 +172,16 @@ def newest_last_checkpoint(save_dir: str, name: Optional[str]) -> Optional[Path]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def resolve_last_checkpoint(config: Any) -> None:
+def resolve_last_checkpoint(config: Any, subcommand: str = "fit") -> None:
     """``ckpt_path: last`` with a CSV/TensorBoard logger that numbers its runs (``version`` unset):
     Lightning looks for last.ckpt only in the new run's own, empty ``version_N/checkpoints``, so
     it would silently start from scratch. Point ckpt_path at the newest last checkpoint of the
     logger's earlier runs instead; the resumed run logs to a new version directory (the CSV logger
     deletes an existing metrics.csv, so reusing the old directory would lose its history).
     Leaves "last" alone when ModelCheckpoint has a fixed dirpath (Lightning finds it there) or when
-    nothing is found (Lightning then warns and starts fresh). Edits the parsed config in place."""
+    nothing is found: ``fit`` then says so in one line and starts fresh (Lightning's own warning
+    would advise save_last=True, which the config may well have), ``validate``/``test`` stop with
+    an error (evaluating untrained weights is not what was asked). Edits the parsed config in place."""
     if config.get("ckpt_path") != "last":
         return
     trainer = config.get("trainer")
@@ -191,7 +193,16 @@ def resolve_last_checkpoint(config: Any) -> None:
     init = getattr(logger, "init_args", None)
     if init is None or init.get("version") is not None or init.get("save_dir") is None:
         return
-    found = newest_last_checkpoint(init.get("save_dir"), init.get("name", "lightning_logs"))
+    name = init.get("name", "lightning_logs")
+    found = newest_last_checkpoint(init.get("save_dir"), name)
     if found is not None:
         config["ckpt_path"] = str(found)
         rank_zero_info(f"--ckpt_path last: resuming from {found}")
+        return
+    where = Path(init.get("save_dir")) / (name or "") / "*" / "checkpoints" / "last.ckpt"
+    if subcommand != "fit":
+        raise CheckpointError(f"--ckpt_path last: no checkpoint matches {where} (no earlier run of this logger "
+                              "save_dir/name saved one); give the checkpoint's path")
+    config["ckpt_path"] = None
+    rank_zero_only(lambda: print(f"[lldslight] --ckpt_path last: no earlier run has a checkpoint ({where} matches "
+                                 "nothing); training from scratch", file=sys.stderr, flush=True))()

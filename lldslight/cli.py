@@ -9,10 +9,12 @@ prints ``lldslight <command>: error: <message>`` and exits with status 2, withou
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import re
 import sys
+import traceback
 from typing import Any, Optional
 
 # name -> "module:function"; each takes argv (list[str]) and returns an exit code.
@@ -61,6 +63,7 @@ def _cli_class():
 
     from lldslight.checkpoint import resolve_last_checkpoint
     from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.errors import UserError
     from lldslight.module import GRPOModule
     from lldslight.preflight import check_checkpoint
 
@@ -87,6 +90,14 @@ def _cli_class():
                                      "win, a list written `key:` replaces, `key+:` appends).")
             return parser
 
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_argument(
+                "--resume_override", type=Optional[str], default=None,
+                help="With --ckpt_path: model settings to take from your config and command line instead of the "
+                     "checkpoint's saved ones: comma-separated keys (e.g. model.lr,model.clip_eps) or 'all'. "
+                     "Without it a resume is exact: the checkpoint's settings win, and every one that differs "
+                     "from yours is listed in one line at start (docs/errors_and_resume.md).")
+
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
             # Before LightningCLI reads the checkpoint's hyper-parameters (a corrupt file would end
@@ -94,17 +105,38 @@ def _cli_class():
             if self.config.get("subcommand"):
                 check_checkpoint(self.config[self.config.subcommand].get("ckpt_path"))
 
-        def before_instantiate_classes(self) -> None:
-            # `--ckpt_path last`: the newest last.ckpt of the logger's earlier runs.
-            if self.subcommand:
-                resolve_last_checkpoint(self.config[self.subcommand])
-                check_checkpoint(self.config[self.subcommand].get("ckpt_path"))
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI merges the checkpoint's hyper-parameters over the config here, silently.
+            # `--ckpt_path last` is resolved first so that it gets the same treatment as a path.
+            sub = self.config.get("subcommand")
+            if not sub:
+                return super()._parse_ckpt_path()
+            resolve_last_checkpoint(self.config[sub], sub)
+            check_checkpoint(self.config[sub].get("ckpt_path"))
+            yours = self.config[sub].get("model")
+            yours = yours.clone() if yours is not None else None
+            super()._parse_ckpt_path()
+            self.resume = resume_settings(self.config, sub, yours)
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            try:
+                super()._run_subcommand(subcommand)
+            except Exception as err:
+                _remove_empty_run_dirs(self.trainer)
+                if isinstance(err, UserError) and getattr(self, "resume", None) is not None:
+                    raise self.resume.explain(err) from err
+                raise
 
         def instantiate_classes(self) -> None:
             try:
                 super().instantiate_classes()
-            except Exception as err:
-                raise _instantiation_error(err) from err
+            except Exception as original:
+                err = _instantiation_error(original)
+                if isinstance(err, UserError) and getattr(self, "resume", None) is not None:
+                    err = self.resume.explain(err)
+                if err is original:
+                    raise
+                raise err from original
 
     return CLI, GRPOModule, SearchQADataModule
 
@@ -131,6 +163,153 @@ def _instantiation_error(err: Exception) -> Exception:
         hint = " (TensorBoardLogger: pip install 'lldslight[tensorboard]')" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
+
+
+# -- resume: what the checkpoint's settings changed ----------------------------------------------
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> values of a nested mapping; a mapping on one side and not the other (a LoRA
+    config vs null) is compared whole, at its own key."""
+    out: dict[str, Any] = {}
+    for k, v in (tree or {}).items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _differences(yours: dict, checkpoint: dict) -> list[str]:
+    """Keys whose value differs, at the coarsest level where one side is a mapping and the other not."""
+    keys: list[str] = []
+    for k in sorted(set(yours) | set(checkpoint)):
+        a, b = yours.get(k), checkpoint.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += [f"{k}.{sub}" for sub in _differences(a, b)]
+        elif (list(a) if isinstance(a, tuple) else a) != (list(b) if isinstance(b, tuple) else b):
+            keys.append(k)
+    return keys
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(list(value) if isinstance(value, tuple) else value)
+
+
+class ResumeSettings:
+    """The model settings a resume took from its checkpoint where they differ from the config and
+    command line (LightningCLI merges the checkpoint's hyper-parameters over them), and those that
+    ``--resume_override`` gave back to the config."""
+
+    def __init__(self, ckpt: str, taken: dict[str, tuple[Any, Any]], overridden: dict[str, tuple[Any, Any]]):
+        self.ckpt = ckpt
+        self.taken = taken  # key -> (checkpoint's value, yours), kept from the checkpoint
+        self.overridden = overridden  # key -> (checkpoint's value, yours), yours used
+
+    def line(self) -> Optional[str]:
+        if not self.taken and not self.overridden:
+            return None
+        parts = []
+        if self.taken:
+            kept = ", ".join(f"model.{k}={_show(c)} (yours: {_show(y)})" for k, (c, y) in self.taken.items())
+            parts.append(f"{len(self.taken)} setting(s) taken from the checkpoint, not your config: {kept}")
+        if self.overridden:
+            used = ", ".join(f"model.{k}={_show(y)} (checkpoint: {_show(c)})" for k, (c, y) in self.overridden.items())
+            parts.append(f"yours by --resume_override: {used}")
+        hint = (f"; --resume_override {','.join('model.' + k for k in self.taken)} (or all) uses yours"
+                if self.taken else "")
+        return f"[lldslight] resuming from {self.ckpt}: " + "; ".join(parts) + hint
+
+    def explain(self, err: Exception) -> Exception:
+        """``err`` with the settings that came from the checkpoint: an error about a model path that
+        is in no config of yours must say where it came from."""
+        from lldslight.errors import UserError
+
+        if not self.taken or not isinstance(err, UserError):
+            return err
+        shown = ", ".join(f"model.{k}={_show(c)}" for k, (c, _) in list(self.taken.items())[:5])
+        more = f" and {len(self.taken) - 5} more" if len(self.taken) > 5 else ""
+        message = (f"{err} (resuming from checkpoint {self.ckpt}, whose saved settings replaced yours: {shown}{more}; "
+                   "is it a checkpoint of this config? --resume_override all uses yours)")
+        try:
+            return type(err)(message)
+        except TypeError:  # an error class with its own constructor
+            return UserError(message)
+
+
+def _override_keys(value: Optional[str], known: set[str]) -> Optional[set[str]]:
+    """The keys ``--resume_override`` names (without "model."), None for 'all'."""
+    from lldslight.errors import ConfigError
+
+    if value is None or not str(value).strip():
+        return set()
+    text = str(value).strip()
+    if text.lower() in ("all", "true"):
+        return None
+    keys = set()
+    for raw in text.split(","):
+        key = raw.strip().removeprefix("model.")
+        if not key:
+            continue
+        if not any(key == k or k.startswith(key + ".") for k in known):
+            raise ConfigError(f"--resume_override: {raw.strip()!r} is not a model setting (give keys such as "
+                              "model.lr, model.policy.lora.r, comma-separated, or 'all')")
+        keys.add(key)
+    return keys
+
+
+def resume_settings(config: Any, sub: str, yours: Any) -> Optional[ResumeSettings]:
+    """After LightningCLI merged a checkpoint's hyper-parameters into ``config[sub].model``: list what
+    they changed, give the keys ``--resume_override`` names back to ``yours``, and say it in one line."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    ckpt = config[sub].get("ckpt_path")
+    merged = config[sub].get("model")
+    if yours is None or merged is None or not ckpt or not os.path.isfile(str(ckpt)):
+        return None
+    mine, theirs = yours.as_dict(), merged.as_dict()
+    differ = _differences(mine, theirs)
+    wanted = _override_keys(config[sub].get("resume_override"), set(_leaves(mine)) | set(_leaves(theirs)))
+    taken, overridden = {}, {}
+    for key in differ:
+        pair = (_lookup(theirs, key), _lookup(mine, key))
+        if wanted is None or any(key == w or key.startswith(w + ".") for w in wanted):
+            value = yours[key]
+            config[f"{sub}.model.{key}"] = value.clone() if hasattr(value, "clone") else copy.deepcopy(value)
+            overridden[key] = pair
+        else:
+            taken[key] = pair
+    settings = ResumeSettings(str(ckpt), taken, overridden)
+    line = settings.line()
+    if line:
+        rank_zero_only(lambda: print(line, file=sys.stderr, flush=True))()
+    return settings
+
+
+def _lookup(tree: dict, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _remove_empty_run_dirs(trainer: Any) -> None:
+    """A run that failed before it logged anything leaves no ``version_N`` behind: the directory
+    goes if it holds nothing but the config Lightning saved at start (config.yaml, hparams.yaml)
+    and empty folders. Anything else in it (metrics, checkpoints, files of yours) keeps it."""
+    import shutil
+    from pathlib import Path
+
+    for logger in getattr(trainer, "loggers", None) or []:
+        try:
+            log_dir = logger.log_dir
+        except Exception:
+            continue
+        path = Path(str(log_dir)) if log_dir else None
+        if path is None or not path.is_dir():
+            continue
+        files = [p for p in path.rglob("*") if not p.is_dir()]
+        if all(p.parent == path and p.name in ("config.yaml", "hparams.yaml") for p in files):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 TRAINER_DEFAULTS = {
@@ -263,8 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return _run(argv, from_command_line)
     except (UserError, ArgumentError) as err:
-        if debug:
-            raise
+        if debug:  # the traceback, then the same line and exit status as without --debug
+            traceback.print_exc()
         message = _jsonargparse_one_line(str(err)) if isinstance(err, ArgumentError) else str(err)
         print(f"lldslight{' ' + command if command else ''}: error: {message}", file=sys.stderr)
         return 2

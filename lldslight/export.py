@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from lldslight.errors import ArgumentParser, CheckpointError
+from lldslight.errors import ArgumentParser, CheckpointError, UserError
 from lldslight.policy import LoRAConfig, PolicyConfig
 from lldslight.preflight import check_checkpoint
 
@@ -28,11 +28,11 @@ def policy_from_hparams(value: Any) -> PolicyConfig:
     if isinstance(value, PolicyConfig):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"hyper_parameters['policy'] is a {type(value).__name__}, expected a PolicyConfig or dict")
+        raise CheckpointError(f"hyper_parameters['policy'] is a {type(value).__name__}, expected a PolicyConfig or dict")
     names = {f.name for f in dataclasses.fields(PolicyConfig)}
     unknown = sorted(set(value) - names)
     if unknown:
-        raise ValueError(f"hyper_parameters['policy'] has fields this lldslight does not know: {unknown}")
+        raise CheckpointError(f"hyper_parameters['policy'] has fields this lldslight does not know: {unknown}")
     cfg = dict(value)
     if isinstance(cfg.get("lora"), dict):
         cfg["lora"] = LoRAConfig(**cfg["lora"])
@@ -60,11 +60,26 @@ def load_checkpoint(path: Path) -> dict:
     return checkpoint
 
 
-def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
-    """Write the merged model and its tokenizer to ``out``; return ``out``."""
+def check_out(out: Path, force: bool) -> None:
+    """``out`` must be a new or empty directory, unless ``force``: an export writes config.json,
+    the weights and the tokenizer files, and would replace a user's files of the same name."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory; give a directory for the exported model")
+    if out.is_dir() and not force:
+        present = sorted(p.name for p in out.iterdir())
+        if present:
+            shown = ", ".join(present[:6]) + (f", ... ({len(present)} in all)" if len(present) > 6 else "")
+            raise UserError(f"--out {out} is not empty (it holds {shown}); the export would replace files of the same "
+                            "name: pass --force to write into it anyway, or choose a new directory")
+
+
+def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None, force: bool = False) -> Path:
+    """Write the merged model and its tokenizer to ``out``; return ``out``. A non-empty ``out`` is
+    written into only with ``force`` (checked before anything loads)."""
     from lldslight.policy import export_dtype, load_policy, resolve_dtype, save_merged
 
     ckpt, out = Path(ckpt), Path(out)
+    check_out(out, force)
     checkpoint = load_checkpoint(ckpt)
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
     # Merge in float32 on whatever machine this runs on; cast once at the end.
@@ -73,12 +88,12 @@ def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None) -> Pa
     model, tokenizer = load_policy(build, dequantize=True)
     state = {k[len("policy."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
     if not state:
-        raise ValueError(f"{ckpt}: the checkpoint holds no policy weights")
+        raise CheckpointError(f"{ckpt}: the checkpoint holds no policy weights")
     result = model.load_state_dict(state, strict=False)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(trainable & set(result.missing_keys))
     if result.unexpected_keys or missing:
-        raise ValueError(
+        raise CheckpointError(
             f"{ckpt} does not fit model.policy {policy.model!r}: unexpected {result.unexpected_keys[:5]}, "
             f"missing trainable {missing[:5]}"
         )
@@ -101,8 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="dtype of the saved weights (default: float32 for model.policy.precision fp32, else bfloat16)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty --out (files of the same name, e.g. config.json, are replaced)")
     args = parser.parse_args(argv)
-    out = export(args.ckpt, args.out, args.dtype)
+    out = export(args.ckpt, args.out, args.dtype, force=args.force)
     print(f"[lldslight] exported {args.ckpt} -> {out}")
     return 0
 

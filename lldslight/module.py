@@ -129,6 +129,13 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        require(lr > 0, "model.lr", "> 0", lr)
+        require(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
+        require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", "two numbers in [0, 1)", betas)
+        require(grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", grad_clip)
+        require(clip_eps > 0, "model.clip_eps", "> 0 (PPO's clip range; the paper uses 0.2)", clip_eps)
+        require(clip_eps_high is None or clip_eps_high > 0, "model.clip_eps_high", "> 0 or null (= clip_eps)", clip_eps_high)
+        require(kl_coef >= 0, "model.kl_coef", ">= 0 (0 = no KL term)", kl_coef)
         require(updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", updates_per_rollout)
         require(micro_batch_size >= 1, "model.micro_batch_size", ">= 1", micro_batch_size)
         require(micro_batch_tokens is None or micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null", micro_batch_tokens)
@@ -164,6 +171,7 @@ class GRPOModule(pl.LightningModule):
         self.last_eval: dict[str, Any] = {}
         self.vetoed_updates = 0
         self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
+        self._saved_hparams: Optional[dict] = None  # the resumed checkpoint's hyper-parameters (on_train_start)
 
     # -- model ------------------------------------------------------------------------------------
 
@@ -358,6 +366,40 @@ class GRPOModule(pl.LightningModule):
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == "fit":  # resuming training, not just loading weights
             self._rng_after_step = pick_rng(meta.get("rng"), trainer.global_rank, trainer.world_size)
+            self._saved_hparams = dict(checkpoint.get("hyper_parameters") or {})
+
+    def on_train_start(self) -> None:
+        # The optimiser and scheduler states restored from a checkpoint carry the old run's lr,
+        # betas and weight decay (and LambdaLR its base_lrs). Where the configured value differs
+        # from the checkpoint's saved hyper-parameter, the user overrode it (--resume_override):
+        # apply it. Comparing with the saved hyper-parameter, not the restored optimiser, keeps a
+        # rate lowered during the run (e.g. by a callback) on a plain resume.
+        saved, self._saved_hparams = getattr(self, "_saved_hparams", None), None
+        if not saved:
+            return
+        hp = self.hparams
+        changed = {k for k in ("lr", "betas", "weight_decay") if k in saved and list(_as_tuple(saved[k])) != list(_as_tuple(hp[k]))}
+        if not changed:
+            return
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        for group in optimizer.param_groups:
+            if "betas" in changed:
+                group["betas"] = tuple(hp.betas)
+            if "weight_decay" in changed:
+                group["weight_decay"] = hp.weight_decay
+        if "lr" in changed:
+            for config in self.trainer.lr_scheduler_configs:
+                scheduler = config.scheduler
+                scheduler.base_lrs = [hp.lr] * len(scheduler.base_lrs)
+                # What scheduler.step() would have set at this step had the run started with hp.lr.
+                lambdas = getattr(scheduler, "lr_lambdas", [lambda _: 1.0] * len(optimizer.param_groups))
+                for group, fn in zip(optimizer.param_groups, lambdas):
+                    group["initial_lr"] = hp.lr
+                    group["lr"] = hp.lr * fn(scheduler.last_epoch)
+                scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+            if not self.trainer.lr_scheduler_configs:
+                for group in optimizer.param_groups:
+                    group["lr"] = hp.lr
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Start each training step from the RNG state the previous one ended with (restored from the
@@ -407,3 +449,7 @@ class GRPOModule(pl.LightningModule):
         report = self.last_eval.get("report")
         if report and self.trainer.state.fn in ("validate", "test"):
             print(f"\n{stage} results ({Path(report).with_suffix('.json')}):\n" + Path(report).read_text(), flush=True)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)

@@ -64,7 +64,13 @@ def read_run(run_dir: str | Path):
         raise PlotInputError(
             f"{run_dir}: no metrics.csv{hint} (a RUN_DIR is a CSVLogger version directory, e.g. runs/demo/version_0)"
         )
-    frame = pd.read_csv(csv)
+    try:
+        frame = pd.read_csv(csv)
+    except UnicodeDecodeError as e:
+        raise PlotInputError(f"{csv}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
+                             "is this a Lightning CSVLogger metrics.csv?") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
+        raise PlotInputError(f"{csv}: unreadable as CSV ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if "step" not in frame.columns:
         raise PlotInputError(f"{csv}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")
     missing = [c for c in REQUIRED if c not in frame.columns]
@@ -260,6 +266,8 @@ def plot_runs(
     if title:
         axes[0].set_title(title, fontsize=11)
     out = Path(out)
+    if not out.suffix:  # matplotlib would add ".png" itself, and the path printed would not be the file's
+        out = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -269,12 +277,16 @@ def plot_runs(
 def main(argv: Optional[list[str]] = None) -> int:
     parser = ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
-    parser.add_argument("--out", default=None, help="PNG to write (default: RUN_DIR/lld.png for one run, lld_compare.png for several)")
+    parser.add_argument("--out", default=None, help="PNG to write, or an existing directory to write it in (default: "
+                                                      "RUN_DIR/lld.png for one run, lld_compare.png for several)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend names, one per RUN_DIR")
     parser.add_argument("--smooth", type=int, default=1, help="rolling-mean window drawn over the raw curves (1 = off)")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    out = args.out or (str(Path(args.run_dirs[0]) / "lld.png") if len(args.run_dirs) == 1 else "lld_compare.png")
+    name = "lld.png" if len(args.run_dirs) == 1 else "lld_compare.png"
+    out = args.out or (str(Path(args.run_dirs[0]) / name) if len(args.run_dirs) == 1 else name)
+    if Path(out).is_dir():  # --out DIR: the default file name inside it, not ./DIR.png
+        out = str(Path(out) / name)
     try:
         path = plot_runs(args.run_dirs, out, labels=args.labels, smooth=args.smooth, title=args.title)
     except PlotInputError as err:

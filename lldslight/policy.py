@@ -359,6 +359,8 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
         return str(materialise_gguf(gguf))
     if path.exists() and not (path / "config.json").exists():
         raise PolicyLoadError(f"{path} exists but holds no config.json: not a Hugging Face model directory")
+    if path.is_dir():
+        _check_model_files(path, weights=cfg.random_init is None)
     if not path.exists() and ("/" not in cfg.model or cfg.model.startswith((".", "/", "~"))):
         raise PolicyLoadError(
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
@@ -367,6 +369,49 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
     if not path.exists():
         check_hub_model(cfg.model)  # not cached and no hub: one line now, not a minute of retries
     return cfg.model
+
+
+def _check_model_files(path: Path, weights: bool) -> None:
+    """A local model directory's config.json parses and each safetensors file is whole, checked in
+    milliseconds from their headers: transformers would fail later with tracebacks that name
+    neither file (a truncated or random safetensors file: 47 lines without its path)."""
+    config = path / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PolicyLoadError(f"{config} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise PolicyLoadError(f"{config} is unreadable ({type(e).__name__}: {e})") from None
+    for weights_file in sorted(path.glob("*.safetensors")) if weights else []:
+        problem = _safetensors_problem(weights_file)
+        if problem:
+            raise PolicyLoadError(f"{weights_file} is {problem}; copy or download the model again")
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a whole safetensors file (8-byte header length, JSON header, tensor
+    data up to the largest offset the header names), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"truncated ({size} bytes, not even a safetensors header)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"not a safetensors file, or truncated (its header claims {n} bytes, the file has {size})"
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "not a safetensors file (its header is not a JSON object)"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "not a safetensors file (its header has no tensor offsets)"
+    if 8 + n + end > size:
+        return f"truncated ({size} bytes; its header describes {8 + n + end})"
+    return None
 
 
 def check_hub_model(repo_id: str, what: str = "model") -> None:

@@ -3,27 +3,61 @@
 A reward function is any callable ``(response: str, golden_answers: list[str]) -> float``; a
 config names it by ``class_path`` so users plug their own without touching the library.
 
-``response`` is what the model wrote and nothing else: the text of its actions (each turn's
-sampled tokens, decoded without special tokens) concatenated in order. The prompt, the retrieved
-observations and the environment's invalid-action message are never part of it (that message
-itself contains ``<answer> and </answer>``, and a passage may contain any tag). A complete answer
-ends the rollout, so only the model's last action can hold one: ``extract_answer(response)`` is its
-last action's answer. The full text with observations stays in ``Trajectory.responses`` for logging.
+``response`` is what the model wrote and nothing else: a :class:`ModelText`, the text of its
+actions (each turn's sampled tokens, decoded without special tokens) concatenated in order, which
+also carries each action's text (``response.actions``). The prompt, the retrieved observations and
+the environment's invalid-action message are never part of it (that message itself contains
+``<answer> and </answer>``, and a passage may contain any tag).
+
+The rollout's answer is its last action's ``<answer>...</answer>`` and nothing else
+(:func:`final_answer`): the built-in rewards and the EM/F1 of training and evaluation
+(``Trajectory.answers``) all read it through that one function. Parsing the concatenation instead
+would join an answer opened in one turn and closed in the next (across an invalid-action message,
+or a turn cut by ``max_new_tokens``), and a stray ``<answer>`` in an earlier turn would swallow
+the final answer. The full text with observations stays in ``Trajectory.responses`` for logging.
 """
 from __future__ import annotations
 
 import re
 import string
 from collections import Counter
-from typing import Protocol
+from typing import Protocol, Sequence
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
 
 
+class ModelText(str):
+    """The model's words as a reward sees them: its actions' texts concatenated (a plain ``str`` for
+    any reward that reads the whole text), with ``actions``, the text of each action in order."""
+
+    actions: tuple[str, ...]
+
+    def __new__(cls, actions: Sequence[str]) -> "ModelText":
+        obj = super().__new__(cls, "".join(actions))
+        obj.actions = tuple(actions)
+        return obj
+
+    def __getnewargs__(self) -> tuple:  # pickling: __new__ takes the actions, not the joined text
+        return (self.actions,)
+
+
+def final_answer(response: str) -> str | None:
+    """The rollout's answer: the <answer>...</answer> of the model's LAST action (stripped), None
+    when that action holds no complete one. The reward and EM/F1 both score this answer.
+
+    ``response`` is a :class:`ModelText` (what the rollout engine hands a reward); a plain string is
+    read as one action.
+    """
+    actions = getattr(response, "actions", None)
+    if actions is None:
+        return extract_answer(response)
+    return extract_answer(actions[-1]) if actions else None
+
+
 def extract_answer(response: str) -> str | None:
-    """The last <answer>...</answer> of the model's text, stripped; None when absent.
+    """The last <answer>...</answer> of one text, stripped; None when absent.
 
     Only the model's own words are parsed: the prompt's "<answer> Beijing </answer>" example, the
     invalid-action message and retrieved passages never count (Search-R1 searched prompt+response,
@@ -72,13 +106,15 @@ def f1_score(prediction: str | None, golden_answers: str | list[str]) -> float:
 
 
 class RewardFn(Protocol):
-    """``response``: the model's own text (its actions only, see the module docstring)."""
+    """``response``: the model's own text, a :class:`ModelText` (its actions only, see the module
+    docstring); read its answer with :func:`final_answer`."""
 
     def __call__(self, response: str, golden_answers: list[str]) -> float: ...
 
 
 class ExactMatchReward:
-    """1 when the last answer exact-matches a gold answer after normalisation, else 0.
+    """1 when the rollout's answer (:func:`final_answer`) exact-matches a gold answer after
+    normalisation, else 0.
 
     Args:
         format_penalty: subtracted when the model never wrote a complete <answer>...</answer>
@@ -89,14 +125,14 @@ class ExactMatchReward:
         self.format_penalty = format_penalty
 
     def __call__(self, response: str, golden_answers: list[str]) -> float:
-        answer = extract_answer(response)
+        answer = final_answer(response)
         if answer is None:
-            return -self.format_penalty
+            return -self.format_penalty if self.format_penalty else 0.0  # 0.0, never -0.0
         return exact_match(answer, golden_answers)
 
 
 class F1Reward:
-    """Token F1 of the last answer: a denser signal than EM for long answers."""
+    """Token F1 of the rollout's answer (:func:`final_answer`): a denser signal than EM for long answers."""
 
     def __call__(self, response: str, golden_answers: list[str]) -> float:
-        return f1_score(extract_answer(response), golden_answers)
+        return f1_score(final_answer(response), golden_answers)

@@ -18,8 +18,8 @@ Speed on one CPU or GPU comes from these choices (benchmarks/rollout.py measures
 - sampling by inverse CDF with one uniform per row from the row's own random stream (no random
   number per vocabulary entry; a row draws the same tokens whatever the scheduling around it).
 
-The reward sees only the model's own text (its actions; lldslight/rewards.py), and the answer
-scored for EM/F1 is the one in its last action.
+The reward sees only the model's own text (its actions; lldslight/rewards.py), and the reward and
+EM/F1 score one answer, the one in its last action (rewards.final_answer).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from lldslight.data.example import QAExample
 from lldslight.errors import require
 from lldslight.policy import decoder_and_head, sampling_weights
 from lldslight.retrieval.base import Passage, Retriever
-from lldslight.rewards import exact_match, extract_answer, f1_score
+from lldslight.rewards import ModelText, exact_match, f1_score, final_answer
 from lldslight.trajectory import Trajectory
 
 STOP_TAGS = ("</search>", "</answer>")
@@ -268,7 +268,8 @@ class RolloutEngine:
         tokenizer: the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
         reward_fn: ``(response, golden_answers) -> float``; ``response`` is the model's own text,
-            its actions concatenated (no prompt, observation or environment message).
+            its actions concatenated (no prompt, observation or environment message), a
+            rewards.ModelText whose ``actions`` hold each action's text.
         config: sampling settings.
     """
 
@@ -628,19 +629,19 @@ class RolloutEngine:
 
     def _score(self, rows: list[_Row]) -> dict[str, list]:
         """Reward, EM and F1 from the model's own words only: the reward gets the text of its actions
-        (no observation, no invalid-action message); EM/F1 score the answer of its last action.
-        The full response text, observations included, is kept for logging."""
+        (no observation, no invalid-action message) as a ModelText; it and EM/F1 score the same
+        answer, the last action's (rewards.final_answer). The full response text, observations
+        included, is kept for logging."""
         out: dict[str, list] = {k: [] for k in ("responses", "model_texts", "answers", "reward", "em", "f1")}
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
         for row in rows:
-            actions = [decode(ids) for ids in row.layout.actions()]
-            text = "".join(actions)
-            answer = extract_answer(actions[-1]) if actions else None
+            text = ModelText([decode(ids) for ids in row.layout.actions()])
+            answer = final_answer(text)
             gold = row.example.golden_answers
             out["responses"].append(decode([t for ids, _ in row.layout.segments for t in ids]))
-            out["model_texts"].append(text)
+            out["model_texts"].append(str(text))
             out["answers"].append(answer)
-            out["reward"].append(float(self.reward_fn(text, gold)))
+            out["reward"].append(float(self.reward_fn(text, gold)) + 0.0)  # + 0.0: a reward of -0.0 is 0.0
             out["em"].append(exact_match(answer, gold))
             out["f1"].append(f1_score(answer, gold))
         return out

@@ -134,15 +134,24 @@ def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None) -> subpr
         ({"temperature": 0.0}, {"logprob_temperature": 1.0}, [], ["rollout.temperature must be > 0 when sampling, got 0.0"]),
         ({}, {"warmup_ratio": 0.1}, ["--trainer.max_steps", "-1", "--trainer.max_epochs", "1"],
          ["trainer.max_steps must be > 0 with model.warmup_ratio > 0", "got -1"]),
+        # issue 23: torch's traceback after the model loaded / trained as given / 4 of 10 updates silently
+        ({}, {}, ["--model.lr", "-1"], ["model.lr must be > 0, got -1.0"]),
+        ({}, {}, ["--model.clip_eps", "-0.2"], ["model.clip_eps must be > 0", "got -0.2"]),
+        ({}, {}, ["--model.updates_per_rollout", "10"],
+         ["model.updates_per_rollout must be <= the rollout rows per step and rank (data.batch_size 2 x "
+          "rollout.group_size 2 = 4), got 10"]),
     ],
-    ids=["group_size", "max_turns", "max_new_tokens", "temperature", "warmup_ratio"],
+    ids=["group_size", "max_turns", "max_new_tokens", "temperature", "warmup_ratio", "lr", "clip_eps", "updates_per_rollout"],
 )
 def test_knob_out_of_range_is_one_line_before_the_model_loads(work, unloadable_model, capsys, rollout, model_args,
                                                                extra, needles):
     cfg = tiny_config(work / "knob.yaml", model=unloadable_model, rollout=rollout, model_args=model_args)
-    code, err = run_cli(["fit", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(work / "runs"), *extra],
+    runs = work / "runs_knobs"
+    code, err = run_cli(["fit", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(runs), *extra],
                         work, capsys)
     assert_one_line_error(code, err, "fit", *needles)
+    # a failed start leaves no empty runs/NAME/version_N behind (issue 23)
+    assert not list(runs.glob("*/version_*")), sorted(runs.rglob("*"))
 
 
 def test_group_size_one_is_fine_for_evaluation(work, capsys):
@@ -194,7 +203,7 @@ def test_unreachable_retriever_url_fails_before_the_model_loads(work, unloadable
 def test_topk_above_the_servers_limit_fails_before_the_model_loads(work, unloadable_model, bm25, capsys):
     from lldslight.retrieval import ServerLimits, start_server
 
-    with start_server(bm25, limits=ServerLimits(max_topk=2)) as server:
+    with start_server(bm25, limits=ServerLimits(max_topk=2, default_topk=2)) as server:
         cfg = tiny_config(work / "topk.yaml", model=unloadable_model, rollout={"topk": 3},
                           retriever={"class_path": "lldslight.retrieval.HttpRetriever", "init_args": {"url": server.url}})
         code, err = run_cli(["fit", "--config", str(cfg)], work, capsys)
@@ -256,7 +265,7 @@ def test_bad_parquet_row_is_one_line(work, capsys, synth_kb):
     bad = work / "bad_rows.parquet"
     pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(synth_kb["train"])), bad)
     code, err = run_cli(["fit", "--config", str(TINY), "--data.train_files", f"[{bad}]"], work, capsys)
-    assert_one_line_error(code, err, "fit", str(bad), "row 3")
+    assert_one_line_error(code, err, "fit", str(bad), "row 4,")  # table[3]: the 4th row, counted from 1 (issue 23)
 
 
 def test_missing_data_file_is_an_error_not_a_traceback(work, capsys):
@@ -273,11 +282,15 @@ def test_debug_flag_and_environment_raise_instead(work, capsys, monkeypatch):
     broken.write_text("model: [unclosed\n")
     code, err = run_cli(["fit", "--config", str(broken)], work, capsys)
     assert_one_line_error(code, err, "fit", f"malformed YAML in {broken}, line 2")
-    with pytest.raises(ConfigError, match="malformed YAML"):
-        main(["fit", "--config", str(broken), "--debug"])
-    monkeypatch.setenv("LLDSLIGHT_DEBUG", "1")
-    with pytest.raises(ConfigError, match="malformed YAML"):
-        main(["fit", "--config", str(broken)])
+    # --debug (or the variable) adds the traceback; the line and exit status 2 stay (issue 23: it was 1).
+    for args, env in ((["--debug"], None), ([], "1")):
+        if env:
+            monkeypatch.setenv("LLDSLIGHT_DEBUG", env)
+        code, err = run_cli(["fit", "--config", str(broken), *args], work, capsys)
+        assert code == 2 and "Traceback" in err and "ConfigError: malformed YAML" in err, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(f"lldslight fit: error: malformed YAML in {broken}")
+    proc = subprocess_cli(["fit", "--config", str(broken), "--debug"], work)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
 
 
 def test_no_lightningcli_args_warning_from_the_command_line(work):
@@ -380,7 +393,8 @@ def test_every_retry_is_logged_and_the_first_outage_warned_once(caplog):
 
     caplog.set_level(logging.WARNING, logger="lldslight.retrieval.http")
     with silent_server() as url:
-        r = HttpRetriever(url=url, timeout=0.3, retries=2, backoff=0.01, on_unavailable="observe")
+        # breaker_failures=0: every request makes its whole retry cycle (the breaker: test_retrieval_faults.py)
+        r = HttpRetriever(url=url, timeout=0.3, retries=2, backoff=0.01, on_unavailable="observe", breaker_failures=0)
         assert r.search(["a", "b"], 2) == [[UNAVAILABLE], [UNAVAILABLE]]
         assert r.search(["c"], 2) == [[UNAVAILABLE]]
     messages = [rec.getMessage() for rec in caplog.records]
@@ -478,3 +492,137 @@ def test_plus_appends(work, capsys):
     assert [c["class_path"] for c in callbacks] == [
         "lldslight.callbacks.SearchRollout", "lightning.pytorch.callbacks.ModelCheckpoint", "lldslight.callbacks.RunSummary"]
     assert callbacks[1]["init_args"]["save_last"] is True
+
+
+# --------------------------------------------------------------------------- issue 23: named files, nothing overwritten
+
+
+def _model_dir(work: Path, name: str, source: Path) -> Path:
+    """A copy of ``source``'s config and tokenizer files (no weights)."""
+    out = work / name
+    out.mkdir(exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_bad_safetensors_file_is_named_in_one_line(work, unloadable_model, capsys):
+    from safetensors.torch import save_file
+
+    # random bytes (the fixture's) and a real safetensors file cut short
+    truncated = _model_dir(work, "truncated_model", unloadable_model)
+    save_file({"w": torch.zeros(4096)}, str(truncated / "model.safetensors"))
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    for model, problem in ((unloadable_model, "not a safetensors file"), (truncated, "truncated")):
+        cfg = tiny_config(work / "bad_weights.yaml", model=model)
+        code, err = run_cli(["fit", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(work / "runs")],
+                            work, capsys)
+        assert_one_line_error(code, err, "fit", f"{model / 'model.safetensors'} is {problem}")
+
+
+def test_a_config_json_that_is_not_json_is_named_in_one_line(work, unloadable_model, capsys):
+    model = _model_dir(work, "bad_config_model", unloadable_model)
+    (model / "config.json").write_text('{"model_type": "llama",\n  oops}\n')
+    cfg = tiny_config(work / "bad_config.yaml", model=model)
+    code, err = run_cli(["fit", "--config", str(cfg), "--trainer.logger.init_args.save_dir", str(work / "runs")], work, capsys)
+    assert_one_line_error(code, err, "fit", f"{model / 'config.json'} is not valid JSON", "line 2")
+
+
+def test_an_empty_train_file_fails_before_the_model_loads(work, unloadable_model, capsys):
+    empty = work / "empty_train.jsonl"
+    empty.write_text("")
+    cfg = tiny_config(work / "empty_train.yaml", model=unloadable_model)
+    code, err = run_cli(["fit", "--config", str(cfg), "--data.train_files", f"[{empty}]",
+                         "--trainer.logger.init_args.save_dir", str(work / "runs")], work, capsys)
+    assert_one_line_error(code, err, "fit", f"the training set ({empty}) has no examples")
+
+
+METRICS = "step,train/reward,lld/logp_pos,lld/logp_neg,train/entropy,train/grad_norm\n0,0.5,-1.0,-1.2,1.0,0.1\n1,0.6,-0.9,-1.3,0.9,0.2\n"
+
+
+def test_plot_out_an_existing_directory_writes_into_it(work, capsys):
+    run = work / "plot_run"
+    run.mkdir(exist_ok=True)
+    (run / "metrics.csv").write_text(METRICS)
+    figures = work / "figures"
+    figures.mkdir(exist_ok=True)
+    code, err = run_cli(["plot", str(run), "--out", str(figures)], work, capsys)
+    assert code == 0, err
+    assert (figures / "lld.png").is_file() and not (work / "figures.png").exists()
+
+
+def test_plot_names_a_metrics_csv_that_is_not_utf8(work, capsys):
+    run = work / "plot_binary"
+    run.mkdir(exist_ok=True)
+    (run / "metrics.csv").write_bytes(METRICS.encode().replace(b"0.5", b"0\xff5"))
+    code, err = run_cli(["plot", str(run)], work, capsys)
+    assert_one_line_error(code, err, "plot", f"{run / 'metrics.csv'}: not UTF-8 text", "b'\\xff'")
+
+
+@pytest.fixture(scope="module")
+def module_checkpoint(work) -> Path:
+    """A checkpoint as GRPOModule writes it (trainable weights, hyper-parameters), of tiny.yaml's policy."""
+    import dataclasses
+
+    from lldslight.module import GRPOModule
+    from tests.conftest import tiny_policy_config
+
+    policy = tiny_policy_config()
+    module = GRPOModule(policy=policy, lr=1e-3, updates_per_rollout=2, micro_batch_size=2)
+    module.configure_model()
+    checkpoint = {"state_dict": module.state_dict(), "global_step": 1,
+                  # as the CLI saves them: plain values (dataclasses as dicts), loadable with weights_only
+                  "hyper_parameters": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                       for k, v in module.hparams.items()}}
+    module.on_save_checkpoint(checkpoint)
+    path = work / "module.ckpt"
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_export_never_overwrites_without_force(work, module_checkpoint, capsys):
+    out = work / "export_here"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text('{"mine": true}')
+    code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(out)], work, capsys)
+    assert_one_line_error(code, err, "export", f"--out {out} is not empty (it holds config.json)", "--force")
+    assert (out / "config.json").read_text() == '{"mine": true}'
+    a_file = work / "export_file"
+    a_file.write_text("x")
+    code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(a_file)], work, capsys)
+    assert_one_line_error(code, err, "export", f"--out {a_file} is a file, not a directory")
+    code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(out), "--force"], work, capsys)
+    assert code == 0, err[-2000:]
+    assert "num_hidden_layers" in (out / "config.json").read_text() and (out / "lldslight_export.json").is_file()
+
+
+def test_a_checkpoint_of_another_config_is_named_with_the_settings_it_brought(work, module_checkpoint, capsys):
+    other = torch.load(module_checkpoint, weights_only=True)
+    elsewhere = work / "elsewhere" / "model"
+    other["hyper_parameters"]["policy"]["model"] = str(elsewhere)
+    other["hyper_parameters"]["policy"]["random_init"] = None
+    path = work / "other_config.ckpt"
+    torch.save(other, path)
+    code, err = run_cli(["fit", "--config", str(TINY), "--ckpt_path", str(path),
+                         "--trainer.logger.init_args.save_dir", str(work / "runs_other")], work, capsys)
+    line = assert_one_line_error(code, err, "fit", str(elsewhere), f"resuming from checkpoint {path}",
+                                 f"model.policy.model='{elsewhere}'", "--resume_override all")
+    said = [l for l in err.splitlines() if l.startswith("[lldslight] resuming from")]
+    assert len(said) == 1 and f"model.policy.model='{elsewhere}' (yours: 'smollm2-135m-instruct')" in said[0], err[-2000:]
+
+
+def test_ckpt_path_last_without_an_earlier_run_says_so(work, unloadable_model, capsys):
+    cfg = tiny_config(work / "last_fresh.yaml", model=unloadable_model)
+    runs = work / "runs_never"
+    code, err = run_cli(["fit", "--config", str(cfg), "--ckpt_path", "last", "--trainer.logger.init_args.save_dir", str(runs)],
+                        work, capsys)
+    assert code == 2  # then the unloadable weights stop it, after the line
+    said = [l for l in err.splitlines() if "--ckpt_path last" in l]
+    assert said == [f"[lldslight] --ckpt_path last: no earlier run has a checkpoint ({runs}/tiny/*/checkpoints/last.ckpt "
+                    "matches nothing); training from scratch"], err[-2000:]
+    assert "save_last" not in err
+    code, err = run_cli(["validate", "--config", str(TINY), "--ckpt_path", "last", "--trainer.logger.init_args.save_dir",
+                         str(runs)], work, capsys)
+    assert_one_line_error(code, err, "validate", "--ckpt_path last: no checkpoint matches", str(runs))

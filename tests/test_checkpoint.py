@@ -18,6 +18,7 @@ from lldslight.checkpoint import (
     resolve_last_checkpoint,
     restore_rng,
 )
+from lldslight.errors import CheckpointError
 from tests.conftest import tiny_policy_config
 
 
@@ -76,9 +77,15 @@ def test_ckpt_path_last_finds_the_newest_run_of_a_numbered_logger(tmp_path):
     c = cfg(save_dir=str(tmp_path), name="tiny", version=0)  # a fixed version: Lightning's own lookup
     resolve_last_checkpoint(c)
     assert c.ckpt_path == "last"
-    c = cfg(save_dir=str(tmp_path / "none"), name="tiny", version=None)  # nothing there: left to Lightning
-    resolve_last_checkpoint(c)
-    assert c.ckpt_path == "last"
+    # Nothing there: fit says so and starts fresh (no Lightning warning with its save_last hint);
+    # validate/test stop, since evaluating untrained weights is not what was asked.
+    c = cfg(save_dir=str(tmp_path / "none"), name="tiny", version=None)
+    resolve_last_checkpoint(c, "fit")
+    assert c.ckpt_path is None
+    for sub in ("validate", "test"):
+        c = cfg(save_dir=str(tmp_path / "none"), name="tiny", version=None)
+        with pytest.raises(CheckpointError, match=r"--ckpt_path last: no checkpoint matches .*none/tiny/\*/checkpoints/last\.ckpt"):
+            resolve_last_checkpoint(c, sub)
 
 
 def test_checkpoint_holds_trainable_weights_and_a_mismatch_names_the_keys():

@@ -77,7 +77,7 @@ def test_corpus_round_trip(tmp_path: Path) -> None:
     path = write_corpus_jsonl(rows, tmp_path / "c.jsonl")
     assert list(iter_corpus(path)) == [{"id": "0", "contents": '"Telvara"\nTelvara is a city.'},
                                        {"id": "7", "contents": '"B"\nb'}]
-    with pytest.raises(DataFormatError, match=r"row 0, field 'contents': missing field"):
+    with pytest.raises(DataFormatError, match=r"row 1, field 'contents': missing field"):
         write_corpus_jsonl([{"id": "0"}], tmp_path / "bad.jsonl")
 
 
@@ -137,7 +137,7 @@ def test_bare_number_answers_are_read_as_strings(tmp_path: Path) -> None:
     a, b = read_flashrag_jsonl(p)
     assert (a.golden_answers, b.golden_answers) == (["1961"], ["1962", "62"])
     p.write_text(json.dumps({"id": 1, "question": "When?", "answer": True}) + "\n")
-    with pytest.raises(DataFormatError, match=r"years\.jsonl, row 0"):
+    with pytest.raises(DataFormatError, match=r"years\.jsonl, row 1"):
         read_flashrag_jsonl(p)
 
 
@@ -152,16 +152,16 @@ def test_malformed_parquet_row_names_file_row_field(tmp_path: Path) -> None:
     with pytest.raises(DataFormatError) as e:
         read_searchr1_parquet(path)
     msg = str(e.value)
-    assert str(path) in msg and "row 3" in msg and "reward_model.ground_truth" in msg
+    assert str(path) in msg and "row 4," in msg and "reward_model.ground_truth" in msg  # rows[3]: the 4th, from 1
 
 
 def test_malformed_jsonl_row_names_file_row_field(tmp_path: Path) -> None:
     p = tmp_path / "x.jsonl"
     p.write_text('{"id": 1, "question": "q", "golden_answers": ["a"]}\n{"id": 2, "question": "q"}\n')
-    with pytest.raises(DataFormatError, match=r"x\.jsonl, row 1, field 'golden_answers'"):
+    with pytest.raises(DataFormatError, match=r"x\.jsonl, row 2, field 'golden_answers'"):  # line 2
         load_examples(p)
     p.write_text('{"id": 1, "question": "q", "golden_answers": ["a"]}\n{not json\n')
-    with pytest.raises(DataFormatError, match=r"row 1.*line 2 is not valid JSON"):
+    with pytest.raises(DataFormatError, match=r"row 2.*line 2 is not valid JSON"):
         load_examples(p)
 
 
@@ -272,10 +272,10 @@ def test_multihop_loaders_link_supporting_passages_by_hand(tmp_path: Path) -> No
 def test_multihop_malformed_records_name_the_field(tmp_path: Path) -> None:
     p = tmp_path / "hot.jsonl"
     p.write_text(json.dumps({"question_text": "Q?", "answers_objects": [{"spans": ["x"]}], "contexts": []}))
-    with pytest.raises(DataFormatError, match=r"hot\.jsonl, row 0, field 'question_id'"):
+    with pytest.raises(DataFormatError, match=r"hot\.jsonl, row 1, field 'question_id'"):
         load_examples(p)
     p = tmp_path / "mu.json"
     p.write_text(json.dumps([{"id": "m", "question": "Q?", "answer": "A", "question_decomposition": [],
                               "paragraphs": [{"title": "T", "paragraph_text": "x"}, {"title": "T"}]}]))
-    with pytest.raises(DataFormatError, match=r"mu\.json, row 0, field 'paragraphs\[1\]\.paragraph_text'"):
+    with pytest.raises(DataFormatError, match=r"mu\.json, row 1, field 'paragraphs\[1\]\.paragraph_text'"):
         load_examples(p)

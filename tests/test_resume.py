@@ -119,3 +119,74 @@ def test_sigkilled_fit_resumes_exactly(tmp_path, dynamic):
     assert report.is_file() and "| data_source | n | EM |" in report.read_text()
     assert "val_before" not in (run_dir / "tiny" / "version_1" / "metrics.csv").read_text()
     assert "eval_before_fit skipped: resuming at step 2" in resumed.stdout
+
+
+# --------------------------------------------------------------------------- settings that differ (issue 23)
+
+RESUME_HEAD = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.ParityReward}}
+        rollout: {{group_size: 2, max_turns: 1, max_new_tokens: 8, max_obs_tokens: 24, max_response_tokens: 60, topk: 1}}
+{extra}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{save_last: true, every_n_train_steps: 1}}
+model:
+  lr: 1.0e-3
+  warmup_steps: 4
+"""
+
+
+def resume_fit(tmp: Path, name: str, save_dir: Path, steps: int, *args: str, extra: str = "") -> subprocess.CompletedProcess:
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(RESUME_HEAD.format(steps=steps, save_dir=save_dir, extra=extra))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", "configs/tiny.yaml", "--config", str(cfg), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def resume_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[lldslight] resuming from")]
+
+
+@pytest.mark.slow
+def test_a_resume_names_every_setting_it_takes_from_the_checkpoint(tmp_path):
+    """LightningCLI merges the checkpoint's hyper-parameters over the command line. A plain resume
+    stays exact (the checkpoint's values win) and says, in one line, each value that differs from
+    the command line; ``--resume_override`` uses yours, and the scheduler restarts from your lr.
+    The first run's rate was halved in flight (HalveLR, at step 1): a plain resume keeps it."""
+    run = tmp_path / "run"
+    halve = "    - class_path: resume_helpers.HalveLR\n      init_args: {step: 1}\n"
+    first = resume_fit(tmp_path, "first", run, 2, extra=halve)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = run / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["hyper_parameters"]["lr"] == 1e-3 and saved["lr_schedulers"][0]["base_lrs"] == [5e-4]
+
+    # warm-up factor at step 2 (0-based) with warmup_steps 4: min(1, 3/4); train/lr is logged in float32
+    plain = resume_fit(tmp_path, "plain", run, 3, "--ckpt_path", "last", "--model.lr", "3e-4", "--model.clip_eps", "0.1",
+                       "--model.policy.lora.r", "8")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert resume_lines(plain) == [
+        f"[lldslight] resuming from {ckpt}: 3 setting(s) taken from the checkpoint, not your config: "
+        "model.clip_eps=0.2 (yours: 0.1), model.lr=0.001 (yours: 0.0003), model.policy.lora.r=4 (yours: 8); "
+        "--resume_override model.clip_eps,model.lr,model.policy.lora.r (or all) uses yours"]
+    step2 = metrics(run / "tiny" / "version_1" / "metrics.csv")[2]
+    assert step2["train/lr"] == pytest.approx(5e-4 * 0.75, rel=1e-6), "a plain resume must keep the rate the run had (halved in flight)"
+
+    override = resume_fit(tmp_path, "override", run, 3, "--ckpt_path", str(ckpt), "--model.lr", "3e-4",
+                          "--model.clip_eps", "0.1", "--resume_override", "model.lr")
+    assert override.returncode == 0, override.stderr[-3000:]
+    assert resume_lines(override) == [
+        f"[lldslight] resuming from {ckpt}: 1 setting(s) taken from the checkpoint, not your config: "
+        "model.clip_eps=0.2 (yours: 0.1); yours by --resume_override: model.lr=0.0003 (checkpoint: 0.001); "
+        "--resume_override model.clip_eps (or all) uses yours"]
+    step2 = metrics(run / "tiny" / "version_2" / "metrics.csv")[2]
+    assert step2["train/lr"] == pytest.approx(3e-4 * 0.75, rel=1e-6), "the scheduler must restart from the new base rate"
+    assert torch.load(run / "tiny" / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)["lr_schedulers"][0]["base_lrs"] == [3e-4]
+
+    # Your LoRA rank on purpose: the checkpoint's adapter cannot load into it; one line naming it, and
+    # the failed start leaves no empty version directory behind.
+    versions = sorted(p.name for p in (run / "tiny").iterdir())
+    bad = resume_fit(tmp_path, "bad", run, 3, "--ckpt_path", str(ckpt), "--model.policy.lora.r", "8", "--resume_override", "all")
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("lldslight fit: error:")]
+    assert len(errors) == 1 and f"checkpoint {ckpt} does not fit the model" in errors[0], bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr
+    assert sorted(p.name for p in (run / "tiny").iterdir()) == versions

@@ -189,7 +189,10 @@ def test_malformed_server_answers_are_named(tmp_path):
                   "/nocontents": r"result\[0\]\[0\]\.document has no 'contents'", "/badscore": "score should be a number"}
         for path, msg in expect.items():
             with pytest.raises(RetrievalError, match=msg):
-                HttpRetriever(base + path, on_unavailable="observe").search(["q"], 3)
+                HttpRetriever(base + path, on_unavailable="fail").search(["q"], 3)
+            # "observe" rides it out as a failed attempt (issue 23): the run goes on, the reason is logged.
+            observe = HttpRetriever(base + path, on_unavailable="observe", retries=0)
+            assert observe.search(["q"], 3) == [[UNAVAILABLE]] and observe.unavailable_count == 1
     finally:
         srv.should_exit = True
         t.join(10)

@@ -83,6 +83,16 @@ class SearchRollout(pl.Callback):
         if stage == "fit":
             require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
                     "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
+            hp = getattr(pl_module, "hparams", None)
+            updates = hp.get("updates_per_rollout") if hasattr(hp, "get") else None
+            batch = getattr(trainer.datamodule, "batch_size", None)
+            if isinstance(updates, int) and isinstance(batch, int):
+                # Known only here (data.batch_size x rollout.group_size): more mini-batches than rows
+                # would leave some empty, and those updates would silently not happen.
+                rows = batch * self.config.group_size
+                require(updates <= rows, "model.updates_per_rollout",
+                        f"<= the rollout rows per step and rank (data.batch_size {batch} x rollout.group_size "
+                        f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
         # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
         check_retriever(self.retriever, self.config.topk)
         hp = getattr(pl_module, "hparams", {})
@@ -107,6 +117,7 @@ class SearchRollout(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
         unavailable = getattr(self.retriever, "unavailable_count", None)
+        short = getattr(self.retriever, "short_circuited_count", None)
         t0 = time.perf_counter()
         if self.dynamic_sampling.enabled:
             traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
@@ -119,6 +130,11 @@ class SearchRollout(pl.Callback):
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
             pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
                           on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+        if short is not None:  # of those, answered by the open circuit breaker without a request
+            pl_module.log("retrieval/short_circuited", float(self.retriever.short_circuited_count - short), on_step=True,
+                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+            pl_module.log("retrieval/breaker_open", float(self.retriever.breaker_open), on_step=True, on_epoch=False,
+                          reduce_fx="max", batch_size=len(batch), sync_dist=trainer.world_size > 1)
 
     def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
         """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the

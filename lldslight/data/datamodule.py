@@ -309,6 +309,17 @@ class SearchQADataModule(pl.LightningDataModule):
             limit = self.limits[split]
             setattr(self, f"{split}_examples", examples if limit is None else examples[: max(0, limit)])
         self._loaded = True
+        if stage == "fit" and self.trainer is not None:
+            # Here, before the policy loads (Lightning sets data up first), not at the first batch.
+            self._check_train_size(self._world()[0])
+
+    def _check_train_size(self, world_size: int) -> None:
+        n = len(self.train_examples)
+        if n < self.batch_size * world_size:
+            files = self.resolved_files()["train"]
+            what = "no examples" if n == 0 else f"{n} example(s), fewer than data.batch_size ({self.batch_size}) x world_size ({world_size})"
+            raise ConfigError(f"the training set ({', '.join(files) or 'data.train_files'}) has {what}: no complete "
+                              "training batch" + (f" (data.limit_train={self.limits['train']})" if self.limits["train"] is not None else ""))
 
     # ------------------------------------------------------------------ loaders
 
@@ -322,11 +333,7 @@ class SearchQADataModule(pl.LightningDataModule):
         self.setup("fit")
         world_size, rank = self._world()
         n = len(self.train_examples)
-        if n < self.batch_size * world_size:
-            raise ConfigError(
-                f"train set has {n} examples, fewer than batch_size ({self.batch_size}) x world_size"
-                f" ({world_size}); no complete batch (train_files: {self.resolved_files()['train']})"
-            )
+        self._check_train_size(world_size)
         self._apply_restored(n, world_size)
         self._train_world_size = world_size
         sampler = TrainSampler(

@@ -341,13 +341,25 @@ class IndexedRetriever:
         self.load()
         return self._search(list(queries), int(k))
 
-    def build(self, out_dir: str | os.PathLike) -> Path:
-        """Build an explicit index at ``out_dir`` (what ``lldslight index`` writes) and open it."""
+    def build(self, out_dir: str | os.PathLike, force: bool = False) -> Path:
+        """Build an explicit index at ``out_dir`` (what ``lldslight index`` writes) and open it.
+
+        An index already at ``out_dir`` is replaced only with ``force``: it may be another corpus's,
+        hours of encoding. A non-empty directory that holds no index is never written into."""
         if self.corpus is None:
             raise RetrievalError("building an index needs a corpus")
         out = Path(out_dir).resolve()
+        if out.exists() and not out.is_dir():
+            raise RetrievalError(f"{out} is a file, not a directory; give --out a directory for the index")
         if out.exists() and any(out.iterdir()) and not is_index_dir(out):
             raise RetrievalError(f"{out} exists, is not empty and holds no lldslight index; refusing to overwrite")
+        if is_index_dir(out) and not force:
+            try:
+                cfg = IndexConfig.read(out)
+                what = f"a {cfg.kind} index of {cfg.corpus_path} ({cfg.count} passages)"
+            except RetrievalError:
+                what = "an lldslight index (its config is unreadable)"
+            raise RetrievalError(f"{out} already holds {what}; pass --force to replace it, or choose another --out")
         corpus = Path(self.corpus).resolve()
         fp = corpus_fingerprint(corpus)
         with self._lock:
@@ -393,7 +405,7 @@ class IndexedRetriever:
             raise RetrievalError(
                 f"corpus {corpus} changed since the index {index_dir} was built (fingerprint {fp[:12]} != "
                 f"{cfg.corpus_fingerprint[:12]}); rebuild it with `lldslight index --corpus {corpus} "
-                f"--retriever {self.kind} --out {index_dir}`")
+                f"--retriever {self.kind} --out {index_dir} --force`")
         self._open_at(index_dir, corpus, expect_fp=fp)
 
     def _open_at(self, index_dir: Path, corpus: Path, expect_fp: str) -> None:
@@ -472,10 +484,11 @@ class IndexedRetriever:
 # --------------------------------------------------------------------------- build / load
 
 
-def build_index(corpus: str, out: str, retriever: str = "bm25", **settings: Any) -> Path:
-    """Build an explicit index of ``retriever`` kind ("bm25" | "dense") for ``corpus`` at ``out``."""
+def build_index(corpus: str, out: str, retriever: str = "bm25", force: bool = False, **settings: Any) -> Path:
+    """Build an explicit index of ``retriever`` kind ("bm25" | "dense") for ``corpus`` at ``out``
+    (an index already there is replaced only with ``force``)."""
     r = retriever_class(retriever, indexed=True)(corpus=corpus, **settings)
-    return r.build(out)
+    return r.build(out, force=force)
 
 
 def load_index(index_dir: str | os.PathLike, corpus: Optional[str] = None, **overrides: Any) -> IndexedRetriever:

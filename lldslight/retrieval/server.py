@@ -12,7 +12,14 @@ holds more than ``max_batch`` queries: a bigger request is served a chunk at a t
 with the other requests, so a one-query request is not stuck behind a 512-query one.
 
 Abuse is answered in one line, never a traceback: malformed or too deeply nested JSON gets 400, a
-body not received within ``body_timeout_s`` gets 408, a client gone mid-request one log line.
+body not received within ``body_timeout_s`` gets 408, a client gone mid-request one log line. A body
+that is not ``Content-Type: application/json`` gets 415 (a web page can POST text/plain to a local
+server without a CORS preflight). A connection that does not complete a request's headers within
+``header_timeout_s`` is closed (slowloris). A client that hangs up while its request waits or is
+being searched has the rest of its queries dropped (checked between search calls of at most
+``max_batch`` queries). At most ``max_inflight_passages`` passages (queries x topk) are being
+searched and answered at once, over all requests; the others wait their turn, so the memory of
+concurrent big requests is bounded.
 """
 # No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations at
 # definition time, and ``Request`` is imported inside ``create_app`` to keep imports lazy.
@@ -31,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
+
+from lldslight.errors import require
 
 from .base import Passage, RetrievalError, Retriever
 
@@ -51,6 +60,27 @@ class ServerLimits:
     # only idle keep-alive connections, so without it a client that stops mid-body holds its
     # connection and request forever.
     body_timeout_s: float = 30.0
+    # Seconds a connection has to complete a request's headers, from when it opens or its last
+    # response was sent (closed beyond). uvicorn's keep-alive timer restarts at every byte, so a
+    # client that trickles a header a byte at a time would hold its connection forever.
+    header_timeout_s: float = 10.0
+    # Passages (queries x topk) being searched and answered at once over all requests. Each holds
+    # its passages' text until its answer is rendered; 20 maximal requests (512 x 100) at once
+    # took the server from ~0.5 to ~1 GB. Two maximal requests' worth by default; a request larger
+    # than the bound on its own is served alone.
+    max_inflight_passages: int = 2 * 512 * 100
+
+    def __post_init__(self) -> None:
+        # One line naming the setting and its range when the server starts, not a 422 on every request.
+        require(self.max_queries >= 1, "max_queries (--max-queries)", ">= 1", self.max_queries)
+        require(self.max_topk >= 1, "max_topk (--max-topk)", ">= 1", self.max_topk)
+        require(1 <= self.default_topk <= self.max_topk, "default_topk (--default-topk)",
+                f"in 1..max_topk ({self.max_topk}), the topk a request without one gets", self.default_topk)
+        require(self.max_body_bytes >= 1, "max_body_bytes (--max-body-bytes)", ">= 1", self.max_body_bytes)
+        require(self.body_timeout_s > 0, "body_timeout_s (--body-timeout)", "> 0 seconds", self.body_timeout_s)
+        require(self.header_timeout_s > 0, "header_timeout_s (--header-timeout)", "> 0 seconds", self.header_timeout_s)
+        require(self.max_inflight_passages >= 1, "max_inflight_passages (--max-inflight-passages)", ">= 1",
+                self.max_inflight_passages)
 
 
 class BadRequest(Exception):
@@ -243,6 +273,53 @@ class MicroBatcher:
             self._line = deque(waiting + again)
 
 
+class PassageBudget:
+    """At most ``limit`` passages (queries x topk) in flight: searched, or answered and not yet
+    rendered. A request takes its share before it is searched and gives it back once its answer
+    is rendered; one that would pass the limit waits, in arrival order (a big request is not
+    starved by a stream of small ones). A request above the limit on its own takes all of it."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._queue: deque = deque()
+        self._cond: Optional[asyncio.Condition] = None
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        me = object()
+        async with self._cond:
+            self._queue.append(me)
+            try:
+                await self._cond.wait_for(lambda: self._queue[0] is me and self.used + n <= self.limit)
+            finally:
+                self._queue.remove(me)
+                self._cond.notify_all()  # the next in line may fit now, or may be first now
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return n
+
+    async def release(self, n: int) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+async def _until_disconnected(request: Any) -> None:
+    """Returns when the client hangs up. Only once the body is read: ASGI's receive() then waits
+    for nothing but the disconnect (uvicorn also answers it once the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _is_json(content_type: Optional[str]) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
+
 def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_batch: int = 64,
                max_wait_ms: float = 5.0) -> Any:
     """The FastAPI app. The retriever should already be loaded (``serve`` and ``start_server`` do)."""
@@ -251,6 +328,8 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_
     from starlette.requests import ClientDisconnect
 
     batcher = MicroBatcher(retriever, max_batch=max_batch, max_wait_ms=max_wait_ms)
+    budget = PassageBudget(limits.max_inflight_passages)
+    gone = {"requests": 0, "queries": 0}  # clients that hung up before their answer, and their queries
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -263,6 +342,7 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_
     app = FastAPI(title="lldslight retrieval (Search-R1 compatible)", lifespan=lifespan)
     app.state.batcher = batcher
     app.state.limits = limits
+    app.state.budget = budget
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"detail": message}, status_code=status)
@@ -281,8 +361,20 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_
     def client(request: Request) -> str:
         return f"{request.client.host}:{request.client.port}" if request.client else "a client"
 
+    async def answer(queries: list[str], topk: int, return_scores: bool) -> Response:
+        share = await budget.acquire(len(queries) * topk)
+        try:
+            results = await batcher.search(queries, topk)
+            return Response(render_result(results, return_scores), media_type="application/json")
+        finally:
+            await asyncio.shield(budget.release(share))  # given back even when the client left
+
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
+        if not _is_json(request.headers.get("content-type")):
+            got = request.headers.get("content-type")
+            return error(415, f"Content-Type must be application/json, got {got!r}" if got else
+                              "Content-Type must be application/json, got none")
         batcher.arriving += 1
         try:
             body = await asyncio.wait_for(read_body(request), limits.body_timeout_s)
@@ -306,16 +398,31 @@ def create_app(retriever: Retriever, limits: ServerLimits = ServerLimits(), max_
             return Response(status_code=400)  # nobody is there to read it; uvicorn drops it
         finally:
             batcher.arriving -= 1
+        work = asyncio.ensure_future(answer(queries, topk, return_scores))
+        left = asyncio.ensure_future(_until_disconnected(request))
         try:
-            results = await batcher.search(queries, topk)
+            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not work.done():
+            # Cancelling drops its job from the batcher's line: no further search call for it.
+            work.cancel()
+            gone["requests"] += 1
+            gone["queries"] += len(queries)
+            log.warning("retrieval: %s hung up before its answer; its %d queries were dropped", client(request), len(queries))
+            return Response(status_code=499)  # nobody reads it
+        try:
+            return work.result()
         except Exception as e:
             return error(500, f"search failed: {type(e).__name__}: {e}")
-        return Response(render_result(results, return_scores), media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         info: dict[str, Any] = {"status": "ok", "retriever": type(retriever).__name__,
-                                "batches": batcher.batches, "queries": batcher.batched_queries}
+                                "batches": batcher.batches, "queries": batcher.batched_queries,
+                                "inflight_passages": budget.used, "peak_inflight_passages": budget.peak,
+                                "max_inflight_passages": budget.limit,
+                                "abandoned_requests": gone["requests"], "abandoned_queries": gone["queries"]}
         if getattr(retriever, "loaded", False):
             info["passages"] = len(retriever)  # type: ignore[arg-type]
         return info
@@ -347,10 +454,63 @@ def _url(sock: socket.socket, host: str) -> str:
     return f"http://{shown}:{port}/retrieve"
 
 
-def _uvicorn_server(app: Any, log_level: str) -> Any:
+def _header_deadline_protocol(header_timeout_s: float) -> type:
+    """uvicorn's HTTP protocol (httptools or h11, as uvicorn picks) with a deadline on request
+    headers: armed when the connection opens and after each response, disarmed once a request's
+    headers are in; when it fires the connection is closed. uvicorn has no such option: its
+    keep-alive timer is reset by every byte received, so a slowloris client keeps it forever."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _header_timer: Optional[asyncio.TimerHandle] = None
+
+        def _in_request(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_request():
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self._in_request():
+                self._arm()
+
+        def connection_lost(self, exc: Optional[Exception]) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self._in_request() or self.transport.is_closing():
+                return
+            who = "%s:%d" % self.client if self.client else "a client"
+            log.warning("retrieval: %s sent no complete request headers within header_timeout_s=%gs; connection closed",
+                        who, header_timeout_s)
+            self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+def _uvicorn_server(app: Any, log_level: str, header_timeout_s: float = ServerLimits.header_timeout_s) -> Any:
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+                            http=_header_deadline_protocol(header_timeout_s))
     return uvicorn.Server(config)
 
 
@@ -364,7 +524,7 @@ def serve(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 8000, limi
     sock = _bind(host, port)
     if on_ready is not None:
         on_ready(_url(sock, host))
-    server = _uvicorn_server(create_app(retriever, limits, max_batch, max_wait_ms), log_level)
+    server = _uvicorn_server(create_app(retriever, limits, max_batch, max_wait_ms), log_level, limits.header_timeout_s)
     server.run(sockets=[sock])
 
 
@@ -403,7 +563,7 @@ def start_server(retriever: Retriever, host: str = DEFAULT_HOST, port: int = 0, 
         load()
     sock = _bind(host, port)
     app = create_app(retriever, limits, max_batch, max_wait_ms)
-    server = _uvicorn_server(app, log_level)
+    server = _uvicorn_server(app, log_level, limits.header_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="retrieval-server")
     thread.start()
     deadline = time.monotonic() + timeout

@@ -6,7 +6,7 @@ validators they share. ``load_examples`` picks the reader from the extension and
 
 Every question reader returns :class:`QAExample` with ``messages`` built from the Search-R1 template;
 a file's own prompt, when it has one, is kept in ``meta["file_messages"]``. Every malformed record
-raises :class:`DataFormatError` naming the file, the row (0-based) and the field.
+raises :class:`DataFormatError` naming the file, the row (from 1) and the field.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def _records_to_examples(records: Sequence[Mapping], path: Path, data_source: Op
     elif "contents" in keys or {"title", "text"} <= keys:
         raise DataFormatError(f"{path}: this is a corpus (passages), not questions; read it with iter_corpus")
     else:
-        raise DataFormatError(f"{path}, row 0: unknown record format with fields {sorted(keys)}")
+        raise DataFormatError(f"{path}, row 1: unknown record format with fields {sorted(keys)}")
     return [convert(r, path, i, data_source) for i, r in enumerate(records)]
 
 

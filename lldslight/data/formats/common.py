@@ -1,7 +1,9 @@
 """What every format reader shares: the error type, field validators, JSON record files.
 
-Every malformed record raises :class:`DataFormatError` naming the file, the row (0-based) and the
-field, because a bad row in a 5000-row parquet is otherwise a needle in a haystack.
+Every malformed record raises :class:`DataFormatError` naming the file, the row and the field,
+because a bad row in a 5000-row parquet is otherwise a needle in a haystack. Rows count from 1, as
+an editor, a spreadsheet or ``sed -n 4p`` counts them: in a .jsonl without blank lines, row N is
+line N; callers pass 0-based indices and ``field_error`` says them 1-based.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ class DataFormatError(UserError, ValueError):
 
 
 def field_error(path: str | os.PathLike, row: Optional[int], field: Optional[str], problem: str) -> DataFormatError:
-    """'{path}, row {row}, field '{field}': {problem}' (row and field when known)."""
+    """'{path}, row {row + 1}, field '{field}': {problem}' (row, 0-based here, and field when known)."""
     where = str(path)
     if row is not None:
-        where += f", row {row}"
+        where += f", row {row + 1}"
     if field is not None:
         where += f", field '{field}'"
     return DataFormatError(f"{where}: {problem}")
@@ -64,7 +66,7 @@ def as_list(value: Any) -> Optional[list]:
 def read_answers(value: Any, path: str | os.PathLike, row: int, field: str) -> list[str]:
     """Gold answers from a list, a string or a bare number (a year stored as 1961); strings may hold
     aliases joined by ANSWER_SPLIT."""
-    if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+    if isinstance(value, str) or (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))):
         items: list = [value]
     else:
         items = as_list(value)  # type: ignore[assignment]
@@ -72,8 +74,10 @@ def read_answers(value: Any, path: str | os.PathLike, row: int, field: str) -> l
             raise field_error(path, row, field, f"expected a list of strings or a string, got {type(value).__name__}")
     out: list[str] = []
     for a in items:
-        if isinstance(a, (int, float)) and not isinstance(a, bool):
-            a = str(a)  # numeric answers (years) are sometimes stored as numbers
+        if isinstance(a, (int, float, np.integer, np.floating)) and not isinstance(a, (bool, np.bool_)):
+            # Numeric answers (years) are sometimes stored as numbers, and a column holding one
+            # float makes them all floats: 1961.0 is the year "1961", which the model writes.
+            a = str(int(a)) if float(a).is_integer() else str(a)
         if not isinstance(a, str):
             raise field_error(path, row, field, f"answer {a!r} is not a string")
         out.extend(p.strip() for p in a.split(ANSWER_SPLIT) if p.strip())
