@@ -412,6 +412,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--archive", default=None, help="where the evidence goes (default docs/collapse_lab/NAME)")
     parser.add_argument("--report-only", action="store_true", help="only redo collapse.{json,md,png} from the archive")
     parser.add_argument("--force", action="store_true", help="delete a run's previous output first")
+    parser.add_argument("--no-build", action="store_true",
+                        help="train the --inits policy directories as they are (no make_policy.py check, which retrains "
+                             "when lldslight's settings schema changed); their weight digests are still recorded")
     args, overrides = parser.parse_known_args(argv)
     signal.signal(signal.SIGTERM, _stop_children)  # a scheduler's kill unwinds like Ctrl-C, children too
     if overrides and overrides[0] == "--":
@@ -475,7 +478,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides = ["--model.policy.random_init", "null"] + overrides
     else:
         inits = args.inits or [config["model"]["policy"]["model"]]
-        meta["inits"] = build_policies(recipe, inits, out)
+        if args.no_build:
+            missing = [p for p in inits if weights_digest(ROOT / p) is None]
+            if missing:
+                raise SystemExit(f"collapse: --no-build but no weights in {', '.join(missing)}")
+            meta["inits"] = {p: weights_digest(ROOT / p) for p in inits}
+        else:
+            meta["inits"] = build_policies(recipe, inits, out)
         policy_of = {s: inits[s % len(inits)] for s in seeds}
         meta["init_of_seed"] = {str(s): policy_of[s] for s in seeds}
     commands = {(arm, seed): fit_command(recipe, available[arm][1].relative_to(ROOT), out, arm, seed, policy_of[seed], args.steps,
