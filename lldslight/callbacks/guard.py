@@ -23,7 +23,7 @@ import math
 import statistics
 from collections import deque
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -31,6 +31,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
+
+
+@runtime_checkable
+class Healer(Protocol):
+    """What ``on_give_up: heal`` needs from the callback that heals (lldslight.callbacks.Heal): the
+    guard declares it rather than importing Heal, which itself finds the guard to reset its window."""
+
+    def heal_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, onset: int, reason: str) -> bool: ...
 
 
 class GradientSpikeGuard(pl.Callback):
@@ -119,9 +127,7 @@ class GradientSpikeGuard(pl.Callback):
             raise TypeError(f"GradientSpikeGuard needs a module with add_step_gate (GRPOModule), got {type(pl_module).__name__}")
         pl_module.add_step_gate("gradient_spike_guard", self.gate)
         if self.on_give_up == "heal":
-            from lldslight.callbacks.heal import Heal
-
-            heals = [cb for cb in trainer.callbacks if isinstance(cb, Heal)]
+            heals = [cb for cb in trainer.callbacks if isinstance(cb, Healer)]
             if not heals:
                 raise ConfigError("GradientSpikeGuard.on_give_up: heal needs a lldslight.callbacks.Heal in trainer.callbacks (configs/heal.yaml)")
             self._heal = heals[0]
