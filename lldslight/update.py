@@ -135,7 +135,7 @@ class RolloutUpdates:
 
 def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, scheduler) -> RolloutUpdates:
     hp = module.hparams
-    order = minibatch_order(traj.group_id.cpu(), hp.shuffle_minibatches, hp.get("minibatch_grouping", "rows") == "prompts")
+    order = minibatch_order(traj.group_id.cpu(), hp.shuffle_minibatches, hp.minibatch_grouping == "prompts")
     minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
     hostmem.trim()  # what the rollout freed: the update's peak starts from the idle process
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def prepare(module: "GRPOModule", traj: Trajectory, onpolicy_rows: Optional[Tens
     else:
         old_logp = batch_logprobs(module, traj, reference=False, rows=(~pending).nonzero()[:, 0])
     advantage = obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std)
-    negatives = hp.get("negative_advantages", "keep")
+    negatives = hp.negative_advantages
     shared = None
     if negatives == "unshared":
         shared = obj.shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, advantage)
