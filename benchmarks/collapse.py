@@ -411,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="where the runs go (default runs/lab/NAME)")
     parser.add_argument("--archive", default=None, help="where the evidence goes (default docs/collapse_lab/NAME)")
     parser.add_argument("--report-only", action="store_true", help="only redo collapse.{json,md,png} from the archive")
-    parser.add_argument("--force", action="store_true", help="delete a run's previous output first")
+    parser.add_argument("--force", action="store_true", help="redo runs already archived, deleting their previous output first")
     parser.add_argument("--no-build", action="store_true",
                         help="train the --inits policy directories as they are (no make_policy.py check, which retrains "
                              "when lldslight's settings schema changed); their weight digests are still recorded")
@@ -451,7 +451,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = yaml.safe_load((ROOT / recipe).read_text())
     horizon = args.horizon or args.steps or int(config["trainer"]["max_steps"])
     jobs = [(arm, seed) for seed in seeds for arm in arms]
-    for arm, seed in jobs:
+    # A lab spans sessions: a run already archived (finished earlier) is kept and reported, not redone.
+    done = [(a, s) for a, s in jobs if (archive / a / f"seed{s}" / "metrics.csv.gz").is_file() and not args.force]
+    if done:
+        print(f"collapse: {len(done)} run(s) already archived in {archive}, kept: " + ", ".join(f"{a}/seed{s}" for a, s in done), flush=True)
+    todo = [j for j in jobs if j not in done]
+    for arm, seed in todo:
         previous_run = out / arm / f"seed{seed}"
         if previous_run.exists():
             if not args.force:
@@ -488,8 +493,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         policy_of = {s: inits[s % len(inits)] for s in seeds}
         meta["init_of_seed"] = {str(s): policy_of[s] for s in seeds}
     commands = {(arm, seed): fit_command(recipe, available[arm][1].relative_to(ROOT), out, arm, seed, policy_of[seed], args.steps,
-                                         args.extra_configs, overrides) for arm, seed in jobs}
-    meta["runs"] = run_all(commands, out, archive, args.jobs, args.threads)
+                                         args.extra_configs, overrides) for arm, seed in todo}
+    previous = archive / "collapse.json"
+    earlier = json.loads(previous.read_text())["meta"].get("runs", {}) if previous.is_file() else {}
+    meta["runs"] = {**{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **run_all(commands, out, archive, args.jobs, args.threads)}
     meta["wall_s"] = time.perf_counter() - t0
     report(archive, jobs, labels, meta["baseline"], horizon, meta)
     failed = [n for n, r in meta["runs"].items() if "error" in r]
