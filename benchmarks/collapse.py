@@ -65,7 +65,7 @@ def arms_in(directory: Path) -> dict[str, tuple[str, Path]]:
     """{name: (label, config)} of every arm file in ``directory``."""
     out = {}
     for path in sorted(directory.glob("*.yaml")):
-        first = path.read_text().splitlines()[0] if path.read_text() else ""
+        first = next(iter(path.read_text().splitlines()), "")
         out[path.stem] = (first.lstrip("# ").split(":")[0] if first.startswith("#") else path.stem, path)
     return out
 
@@ -440,7 +440,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)
-    arms = args.arms or (["grpo", "llds"] if not args.smoke else ["grpo", "llds"])
+    arms = args.arms or ["grpo", "llds"]
     unknown = [a for a in arms if a not in available]
     if unknown:
         raise SystemExit(f"collapse: unknown arm(s) {', '.join(unknown)}; {args.arms_dir} has {', '.join(available)}")
