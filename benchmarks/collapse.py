@@ -66,7 +66,7 @@ def arms_in(directory: Path) -> dict[str, tuple[str, Path]]:
     out = {}
     for path in sorted(directory.glob("*.yaml")):
         first = next(iter(path.read_text().splitlines()), "")
-        out[path.stem] = (first.lstrip("# ").split(":")[0] if first.startswith("#") else path.stem, path)
+        out[path.stem] = (first.lstrip("# ").split(":")[0].rstrip(".") if first.startswith("#") else path.stem, path)
     return out
 
 
@@ -382,7 +382,7 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
     arms = arm_stats(runs, baseline, horizon)
     text = table(runs, arms, labels, baseline, horizon)
     png = figure(runs, archive, labels, crit, archive / "collapse.png") if any("error" not in r for r in runs) else None
-    (archive / "collapse.md").write_text(f"# Collapse lab: {archive.name}\n\n`{meta.get('invocation', '')}`\n\n" + text
+    (archive / "collapse.md").write_text(f"# Collapse lab: {archive.name}\n\n" + "".join(f"`{i}`\n\n" for i in meta.get("invocations") or [meta.get("invocation", "")] if i) + text
                                          + (f"\n![seeds x arms]({png.name})\n" if png else ""))
     payload = {"meta": meta, "criteria": asdict(crit), "horizon": horizon, "baseline": baseline, "arms": arms, "runs": runs}
     (archive / "collapse.json").write_text(json.dumps(payload, indent=1, default=float))
@@ -430,9 +430,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.report_only:
         previous = archive / "collapse.json"
         meta = json.loads(previous.read_text())["meta"] if previous.is_file() else {}
-        jobs = [(a, s) for a in meta.get("arms", []) for s in meta.get("seeds", [])] or sorted(
-            (p.parent.name, int(p.name[4:])) for p in archive.glob("*/seed*") if (p / "metrics.csv.gz").is_file())
-        jobs = [(a, s) for a, s in jobs if (archive / a / f"seed{s}" / "metrics.csv.gz").is_file() or f"{a}/seed{s}" in meta.get("runs", {})]
+        # A set is filled by several invocations (a lab spans sessions): report every archived run,
+        # the last invocation's arms first (its first arm is the baseline).
+        archived = {(p.parent.name, int(p.name[4:])) for p in archive.glob("*/seed*") if (p / "metrics.csv.gz").is_file()}
+        named = [(a, s) for a in meta.get("arms", []) for s in meta.get("seeds", [])]
+        order = list(dict.fromkeys([a for a, _ in named] + sorted(a for a, _ in archived)))
+        jobs = sorted({j for j in named if j in archived or f"{j[0]}/seed{j[1]}" in meta.get("runs", {})} | archived,
+                      key=lambda j: (order.index(j[0]), j[1]))
         if not jobs:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
