@@ -365,7 +365,7 @@ def figure(runs: list[dict], archive: Path, labels: dict[str, str], crit: C.Coll
 
 
 def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], baseline: str, horizon: int, meta: dict,
-           crit: C.CollapseCriteria = C.CollapseCriteria()) -> dict:
+           crit: C.CollapseCriteria = C.CollapseCriteria(), draw: bool = True) -> dict:
     """Summarise every archived run and write collapse.{json,md,png} into the archive."""
     runs = []
     for arm, seed in jobs:
@@ -381,7 +381,8 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
         runs.append(entry)
     arms = arm_stats(runs, baseline, horizon)
     text = table(runs, arms, labels, baseline, horizon)
-    png = figure(runs, archive, labels, crit, archive / "collapse.png") if any("error" not in r for r in runs) else None
+    drawable = any("error" not in r for r in runs)
+    png = (figure(runs, archive, labels, crit, archive / "collapse.png") if draw else archive / "collapse.png") if drawable else None
     (archive / "collapse.md").write_text(f"# Collapse lab: {archive.name}\n\n" + "".join(f"`{i}`\n\n" for i in meta.get("invocations") or [meta.get("invocation", "")] if i) + text
                                          + (f"\n![seeds x arms]({png.name})\n" if png else ""))
     payload = {"meta": meta, "criteria": asdict(crit), "horizon": horizon, "baseline": baseline, "arms": arms, "runs": runs}
@@ -411,6 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="where the runs go (default runs/lab/NAME)")
     parser.add_argument("--archive", default=None, help="where the evidence goes (default docs/collapse_lab/NAME)")
     parser.add_argument("--report-only", action="store_true", help="only redo collapse.{json,md,png} from the archive")
+    parser.add_argument("--no-figure", action="store_true", help="with --report-only: leave collapse.png as it is")
     parser.add_argument("--force", action="store_true", help="redo runs already archived, deleting their previous output first")
     parser.add_argument("--no-build", action="store_true",
                         help="train the --inits policy directories as they are (no make_policy.py check, which retrains "
@@ -440,7 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not jobs:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
-        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], args.horizon or meta.get("horizon") or 600, meta)
+        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], args.horizon or meta.get("horizon") or 600, meta,
+               draw=not args.no_figure)
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)
