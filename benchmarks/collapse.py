@@ -181,7 +181,8 @@ def build_policies(recipe: str, inits: list[str], out: Path) -> dict[str, str]:
     """Each init's policy built by make_policy.py (cached: a second call only checks); their digests."""
     digests = {}
     for k, policy in enumerate(inits):
-        cmd = [sys.executable, str(ROOT / "benchmarks/lab/make_policy.py"), "--config", recipe, "--out", policy, "--seed", str(k)]
+        # As a module from ROOT (run_child's cwd): the policy is built with this checkout's lldslight.
+        cmd = [sys.executable, "-m", "benchmarks.lab.make_policy", "--config", recipe, "--out", policy, "--seed", str(k)]
         try:
             run_child(f"lab policy {k}", cmd, out / "logs" / f"policy{k}.log", threads=1)
         except RuntimeError as err:

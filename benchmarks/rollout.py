@@ -37,11 +37,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import harness  # noqa: E402
+if __package__:  # benchmarks.rollout: imported, or run as python -m benchmarks.rollout
+    from . import harness
+else:  # python benchmarks/rollout.py: the script's own folder is on sys.path
+    import harness
 
 
 def load_engine_module(path: str | None):

@@ -9,13 +9,11 @@ question types where right and wrong trajectories share their first search.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
