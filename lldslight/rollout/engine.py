@@ -13,7 +13,7 @@ protocol.py (tags, observation strings, tokenising prompts and observations), la
 token layout and packer shared with the warm start), answer.py (detokenising, the answer span),
 cache.py (the ragged KV cache and the forward over it).
 
-Speed on one CPU or GPU comes from these choices (benchmarks/rollout.py measures them):
+Speed on one CPU or GPU comes from these choices (benchmarks/generation.py measures them):
 - continuous batching: each row moves through its turns on its own. A row whose turn ends is
   retrieved for in a worker thread (batched with every search queued at the time) while the others
   keep decoding, and rejoins the decode batch as soon as its observation is prefilled; finished
