@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from harness import LoadMeter  # noqa: E402
+if __package__:  # benchmarks.bounds: imported (tests, step.py), or run as python -m benchmarks.bounds
+    from .harness import LoadMeter
+else:  # python benchmarks/bounds.py: the script's own folder is on sys.path
+    from harness import LoadMeter
 
 # -- arithmetic -----------------------------------------------------------------------------------
 

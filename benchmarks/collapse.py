@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "configs/lab/constant.yaml"
 SMOKE_RECIPE = "benchmarks/collapse_smoke.yaml"
 ARCHIVE = "docs/collapse_lab"
+DEFAULT_ARMS = ["grpo", "llds"]
 FINAL_WINDOW = 100  # steps of the "final reward" secondary outcome
 # The smoke recipe's random 2-layer model, every weight trained by a supervised warm start first.
 SMOKE_SFT = ["--limit", "16", "--topk", "1", "--max-obs-tokens", "32", "--max-searches", "1", "--over-budget", "truncate",
@@ -68,6 +69,11 @@ def arms_in(directory: Path) -> dict[str, tuple[str, Path]]:
         first = next(iter(path.read_text().splitlines()), "")
         out[path.stem] = (first.lstrip("# ").split(":")[0].rstrip(".") if first.startswith("#") else path.stem, path)
     return out
+
+
+def recipe_steps(recipe: str) -> int:
+    """The recipe's ``trainer.max_steps``: the horizon a run is judged over unless told otherwise."""
+    return int(yaml.safe_load((ROOT / recipe).read_text())["trainer"]["max_steps"])
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -181,7 +187,8 @@ def build_policies(recipe: str, inits: list[str], out: Path) -> dict[str, str]:
     """Each init's policy built by make_policy.py (cached: a second call only checks); their digests."""
     digests = {}
     for k, policy in enumerate(inits):
-        cmd = [sys.executable, str(ROOT / "benchmarks/lab/make_policy.py"), "--config", recipe, "--out", policy, "--seed", str(k)]
+        # As a module from ROOT (run_child's cwd): the policy is built with this checkout's lldslight.
+        cmd = [sys.executable, "-m", "benchmarks.lab.make_policy", "--config", recipe, "--out", policy, "--seed", str(k)]
         try:
             run_child(f"lab policy {k}", cmd, out / "logs" / f"policy{k}.log", threads=1)
         except RuntimeError as err:
@@ -400,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny random model, sft warm start, 2 arms x 1 seed: proves the pipeline")
     parser.add_argument("--recipe", default=None, help=f"base config (default {DEFAULT_RECIPE}; {SMOKE_RECIPE} with --smoke)")
     parser.add_argument("--arms-dir", default="configs/lab/arms", help="one YAML per arm (default configs/lab/arms)")
-    parser.add_argument("--arms", nargs="+", default=None, help="arm names (default grpo llds)")
+    parser.add_argument("--arms", nargs="+", default=None, help=f"arm names (default {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--baseline", default=None, help="the arm the others are tested against (default: the first of --arms)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default 0 1 2; 0 with --smoke)")
     parser.add_argument("--inits", nargs="+", default=None, help="policy directory of each warm-start init (seed s trains init s mod N)")
@@ -442,12 +449,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not jobs:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
-        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], args.horizon or meta.get("horizon") or 600, meta,
-               draw=not args.no_figure)
+        # An archive without its collapse.json: the horizon is the recipe's max_steps, as for a new run.
+        horizon = args.horizon or meta.get("horizon") or args.steps or recipe_steps(args.recipe or meta.get("recipe") or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE))
+        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta, draw=not args.no_figure)
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)
-    arms = args.arms or ["grpo", "llds"]
+    arms = args.arms or DEFAULT_ARMS
     unknown = [a for a in arms if a not in available]
     if unknown:
         raise SystemExit(f"collapse: unknown arm(s) {', '.join(unknown)}; {args.arms_dir} has {', '.join(available)}")
@@ -456,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not (ROOT / path).is_file():
             raise SystemExit(f"collapse: config not found: {path} (relative to {ROOT})")
     config = yaml.safe_load((ROOT / recipe).read_text())
-    horizon = args.horizon or args.steps or int(config["trainer"]["max_steps"])
+    horizon = args.horizon or args.steps or recipe_steps(recipe)
     jobs = [(arm, seed) for seed in seeds for arm in arms]
     # A lab spans sessions: a run already archived (finished earlier) is kept and reported, not redone.
     done = [(a, s) for a, s in jobs if (archive / a / f"seed{s}" / "metrics.csv.gz").is_file() and not args.force]

@@ -1,5 +1,5 @@
 """Timing that a busy machine cannot fool: load records, busy flags, bounded repeats, alternating
-rounds, medians and spread. Shared by step.py, rollout.py, host_overhead.py and retrieval.py.
+rounds, medians and spread. Shared by step.py, generation.py, host_overhead.py and retrieval.py.
 
 Every timed run is wrapped in a ``LoadMeter``. It records the 1/5/15-minute load average at start
 and end, and the CPU seconds that processes OUTSIDE the benchmark's own process tree used during

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import harness  # noqa: E402
+if __package__:  # benchmarks.host_overhead: imported (tests), or run as python -m benchmarks.host_overhead
+    from . import harness
+    from .step import PROMPTS
+else:  # python benchmarks/host_overhead.py: the script's own folder is on sys.path
+    import harness
+    from step import PROMPTS
 
 TINY = {"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": 8}
@@ -102,8 +102,6 @@ def main(argv=None) -> dict:
     harness.add_arguments(p)
     args = p.parse_args(argv)
     import torch
-
-    from step import PROMPTS
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import harness  # noqa: E402
+if __package__:  # benchmarks.retrieval: imported (tests), or run as python -m benchmarks.retrieval
+    from . import harness
+else:  # python benchmarks/retrieval.py: the script's own folder is on sys.path
+    import harness
 from lldslight.retrieval import HttpRetriever, start_server_process  # noqa: E402
 from lldslight.retrieval.index import is_index_dir, load_index, retriever_class  # noqa: E402
 

@@ -47,6 +47,7 @@ physical limit.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -59,9 +60,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 
-import harness  # noqa: E402
+if __package__:  # benchmarks.step: imported (tests), or run as python -m benchmarks.step
+    from . import bounds, harness
+else:  # python benchmarks/step.py: the script's own folder is on sys.path
+    import bounds
+    import harness
 
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
@@ -91,6 +95,11 @@ def reward(text: str) -> float:
     """Cheap, deterministic, and varied across a group (so advantages and gradients are non-zero)."""
     words = text.split()
     return len(set(words)) / 64.0
+
+
+def _profiling():
+    """benchmarks/profiling.py, imported where it is used (it imports torch)."""
+    return importlib.import_module(f"{__package__}.profiling" if __package__ else "profiling")
 
 
 # -- measuring inside a worker ------------------------------------------------------------------
@@ -162,9 +171,7 @@ class StepClock:
         if not self.measuring:
             return
         if self.spec.get("profile") and self.profiler is None:
-            from profiling import StepProfiler
-
-            self.profiler = StepProfiler(model)
+            self.profiler = _profiling().StepProfiler(model)
             self.profiler.start()
         self.memory.begin()
         self.meter = harness.LoadMeter().start()
@@ -324,15 +331,11 @@ class _Labels:
 
         if not self.on:
             return contextlib.nullcontext()
-        from profiling import label
-
-        return label(name)
+        return _profiling().label(name)
 
     def wrap(self, obj, attr: str, name: str) -> None:
         if self.on and hasattr(obj, attr):
-            from profiling import wrap
-
-            wrap(obj, attr, name)
+            _profiling().wrap(obj, attr, name)
 
 
 def worker_trl(spec: dict) -> dict:
@@ -552,8 +555,6 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
                     measured_bounds: dict | None = None) -> dict:
     """One precision (``spec["precision"]``) at one thread count. ``measured_bounds``: this thread
     count's bounds when an earlier precision measured them (they cover both precisions)."""
-    import bounds
-
     spec = dict(spec, threads=threads)
     precision = spec.get("precision", "fp32")
     out: dict = {"threads": threads, "precision": precision}
@@ -618,13 +619,11 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
 
 
 def bounds_read(b: dict) -> float:
-    import bounds
-
     return bounds.read_gbs(b)
 
 
 def profile(args, spec: dict, sides: list[str], pythons: dict) -> None:
-    from profiling import print_shares
+    print_shares = _profiling().print_shares
 
     threads = [int(t) for t in args.threads.split(",")]
     spec = dict(spec, threads=threads[0], steps=1, profile=True)
@@ -685,7 +684,6 @@ def main(argv: list[str] | None = None) -> None:
     precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
     if not precisions or any(x not in PRECISIONS for x in precisions):
         raise SystemExit(f"--precision must be a comma-separated list of {', '.join(PRECISIONS)}, got {args.precision!r}")
-    import bounds
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
     model_dir = str(resolve_model_dir(PolicyConfig()))  # de-quantises the bundled GGUF once

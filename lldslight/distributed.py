@@ -98,7 +98,7 @@ def shard_policy(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # LoRA merging rewrites base weights in place: invalid on sharded parameters (rollout.py).
+    # LoRA merging rewrites base weights in place: invalid on sharded parameters (policy.sampling_weights).
     model._lldslight_no_merge = True
     model._lldslight_reshard_after_forward = config.reshard_after_forward
     return model

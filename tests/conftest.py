@@ -1,9 +1,8 @@
 """Shared fixtures: the repo's paths, a tiny real model, a synthetic knowledge base with BM25."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -19,12 +18,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """A script under benchmarks/ (not a package) imported as a module, to test its pieces."""
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    """A script under benchmarks/ imported as the module ``benchmarks.<name>``, to test its pieces."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def shared_data(*parts: str) -> Path:

@@ -214,10 +214,10 @@ def test_tag_spans_name_the_tokens_that_spell_each_tag() -> None:
 def test_control_token_probabilities_with_the_real_tokenizer(tiny_policy) -> None:
     """Real SmolLM2 tokens (it splits "<search>" into "<", "search", ">"); the tokens that spell each tag
     found independently, by decoding growing prefixes."""
-    from lldslight.rollout import _eos_ids
+    from lldslight.rollout import eos_ids
 
     _, tok = tiny_policy
-    eos = _eos_ids(tok)
+    eos = eos_ids(tok)
     act0 = tok("<think>go</think>\n<search> Paris mayor </search>", add_special_tokens=False)["input_ids"]
     obs = tok("\n\n<information>Doc 1 <search>not the model's</search></information>\n\n", add_special_tokens=False)["input_ids"]
     act1 = tok("<answer> Anne </answer>", add_special_tokens=False)["input_ids"] + [eos[0]]

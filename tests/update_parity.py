@@ -13,13 +13,11 @@ FSDP2's reduce-scatter), the micro-batch whose backward ran it.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
 LENGTHS = [27, 20, 25, 14, 28, 18, 22, 16]  # rows of different lengths: packing has work to do
 ONE_ACTION = {3, 7}  # rows that answer in their first action (no observation)
@@ -181,7 +179,6 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     setup = torch.load(args.out / "setup.pt", weights_only=False)
     strategy = "ddp" if args.strategy == "ddp" else __import__("lldslight.distributed", fromlist=["x"]).FSDP2Strategy()

@@ -1,7 +1,7 @@
 """How much GRPO signal a policy offers: sampled success rates per question type, the share of
 groups with mixed rewards, format validity and entropy-like numbers; greedy dev EM per type.
 
-    python benchmarks/lab/probe.py runs/lab/policy [--config configs/lab/base.yaml] [--n 64] [--group-size 8]
+    python benchmarks/lab/probe.py runs/lab/policy [--config configs/lab/base.yaml] [--n 64] [--group-size G]
 
 A warm start fit for the lab leaves many groups mixed (some right, some wrong answers) on the
 question types where right and wrong trajectories share their first search.
@@ -9,13 +9,11 @@ question types where right and wrong trajectories share their first search.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
@@ -32,7 +30,7 @@ def main(argv=None) -> int:
     parser.add_argument("model")
     parser.add_argument("--config", default="configs/lab/base.yaml")
     parser.add_argument("--n", type=int, default=64, help="training questions sampled (the first N)")
-    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=None, help="rollouts per question (default: the config's rollout.group_size)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--dev", type=int, default=48)
     args = parser.parse_args(argv)
@@ -44,6 +42,8 @@ def main(argv=None) -> int:
     rc = dict(cb["rollout"])
     if args.temperature is not None:
         rc["temperature"] = args.temperature
+    if args.group_size is not None:
+        rc["group_size"] = args.group_size
     model, tok = load_policy(PolicyConfig(model=args.model, dtype="float32", lora=None, gradient_checkpointing=False))
     retriever = BM25Retriever(corpus=cb["retriever"]["init_args"]["corpus"], show_progress=False)
     engine = RolloutEngine(tok, retriever, ExactMatchReward(), RolloutConfig(**rc))
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     for start in range(0, len(train), 4):
         batch = train[start : start + 4]
         traj = engine.generate(model, batch)
-        G = args.group_size
+        G = rc["group_size"]
         for j, ex in enumerate(batch):
             r = traj.reward[j * G : (j + 1) * G]
             per_type[ex.meta["type"]].append(float(r.mean()))
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         m = traj.loss_mask
         logps.append(float(traj.sample_logp[m].mean()))
     dt = time.perf_counter() - t0
-    print(f"sampled T={rc['temperature']} G={args.group_size} on {len(train)} train questions ({dt:.1f} s):")
+    print(f"sampled T={rc['temperature']} G={rc['group_size']} on {len(train)} train questions ({dt:.1f} s):")
     for t, rs in sorted(per_type.items()):
         print(f"  {t:10s} n={len(rs):3d}  success {sum(rs) / len(rs):.3f}  mixed groups {mixed[t] / len(rs):.2f}")
     allr = [x for rs in per_type.values() for x in rs]

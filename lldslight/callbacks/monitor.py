@@ -176,12 +176,12 @@ class LLDMonitor(pl.Callback):
         return out
 
     def _control_tokens(self, tokenizer, traj) -> dict[str, diag.SumCount]:
-        from lldslight.rollout import _eos_ids
+        from lldslight.rollout import eos_ids
 
         def decode_tokens(ids: list[int]) -> list[str]:
             return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-        return diag.control_token_stats(traj.input_ids, traj.loss_mask, traj.action_id, traj.sample_logp, decode_tokens, _eos_ids(tokenizer))
+        return diag.control_token_stats(traj.input_ids, traj.loss_mask, traj.action_id, traj.sample_logp, decode_tokens, eos_ids(tokenizer))
 
     @staticmethod
     def _reduce(trainer, stats: dict[str, diag.SumCount]) -> dict[str, diag.SumCount]:

@@ -1,20 +1,28 @@
-"""Multi-turn, search-augmented generation: the Search-R1 protocol (docs/algorithm.md §1), token-in/token-out.
+"""The rollout engine: multi-turn, search-augmented generation under the Search-R1 protocol
+(docs/algorithm.md §1), token-in/token-out, and its sampler; the rollouts packed into a scored
+Trajectory.
 
 Every rollout decodes a turn until ``</search>``, ``</answer>``, EOS or its token budget; then it
 ends, or an observation (the retrieved passages, or the invalid-action message) is appended and it
 decodes its next turn. The sampled ids are kept exactly as sampled (decoding and re-encoding the
 model's own text can change its tokens and so its log-probs); only observations are tokenised.
 
-Speed on one CPU or GPU comes from these choices (benchmarks/rollout.py measures them):
+This file owns the scheduling (which row decodes, waits for retrieval or is prefilled), the
+sampler and the scoring. What it speaks, packs, decodes and caches is in its siblings:
+protocol.py (tags, observation strings, tokenising prompts and observations), layout.py (the
+token layout and packer shared with the warm start), answer.py (detokenising, the answer span),
+cache.py (the ragged KV cache and the forward over it).
+
+Speed on one CPU or GPU comes from these choices (benchmarks/generation.py measures them):
 - continuous batching: each row moves through its turns on its own. A row whose turn ends is
   retrieved for in a worker thread (batched with every search queued at the time) while the others
   keep decoding, and rejoins the decode batch as soon as its observation is prefilled; finished
   rows leave the cache. No row waits for the slowest row of its turn;
 - a group's prompt is prefilled once and its KV cache shared by its G rollouts;
 - the KV cache is carried across turns: observations are appended to it, nothing is re-encoded;
-- one ragged cache: a row's tokens fill positions 0..length-1 of its own slot, a 4-D mask lets a
-  new token see its own row's earlier tokens only, and position ids are those positions, so each
-  row sees exactly the context it would see alone, with no holes to attend over;
+- one ragged cache (cache.py): a row's tokens fill positions 0..length-1 of its own slot, a 4-D
+  mask lets a new token see its own row's earlier tokens only, and position ids are those
+  positions, so each row sees exactly the context it would see alone, with no holes to attend over;
 - sampling by inverse CDF with one uniform per row from the row's own random stream (no random
   number per vocabulary entry; a row draws the same tokens whatever the scheduling around it).
 
@@ -23,34 +31,26 @@ EM/F1 score one answer, the one in its last action (rewards.final_answer).
 """
 from __future__ import annotations
 
-import bisect
 import functools
-import inspect
-import itertools
-import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
 
 from lldslight.data.example import QAExample
 from lldslight.errors import require
-from lldslight.policy import decoder_and_head, sampling_weights
-from lldslight.retrieval.base import Passage, Retriever
+from lldslight.policy import sampling_weights
+from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ModelText, exact_match, f1_score, final_answer
 from lldslight.trajectory import Trajectory
 
-STOP_TAGS = ("</search>", "</answer>")
-_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-INVALID_ACTION = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
-    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
-    "Let me try again.\n"
-)
+from .answer import answer_token_span
+from .cache import _Decoder
+from .layout import Layout, pack
+from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
 
 
 @dataclass
@@ -95,131 +95,6 @@ class RolloutConfig:
                     "0 divides the logits by zero; greedy decoding is rollout.greedy: true")
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
-
-
-def format_observation(passages: list[Passage]) -> str:
-    """Search-R1's ``_passages2string`` wrapped in an information block (title line kept verbatim)."""
-    refs = ""
-    for i, p in enumerate(passages):
-        lines = p.contents.split("\n")
-        refs += f"Doc {i + 1}(Title: {lines[0]}) {chr(10).join(lines[1:])}\n"
-    return f"\n\n<information>{refs.strip()}</information>\n\n"
-
-
-def parse_action(text: str) -> tuple[Optional[str], str]:
-    """(kind, content) of the action in one turn's text, cut at the first stop tag as Search-R1 does.
-
-    kind is "search", "answer" or None (invalid).
-    """
-    cut = len(text)
-    for tag in STOP_TAGS:
-        pos = text.find(tag)
-        if pos != -1:
-            cut = min(cut, pos + len(tag))
-    match = _ACTION.search(text[:cut])
-    if match is None:
-        return None, ""
-    return match.group(1), match.group(2).strip()
-
-
-def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt as the policy sees it: the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def observation_ids(tokenizer, text: str, max_obs_tokens: int) -> list[int]:
-    """An observation (retrieved passages or the invalid-action message) tokenised on its own and
-    cut to ``max_obs_tokens``: the rollout and the warm start both build observations here."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_obs_tokens]
-
-
-# -- the token layout of a trajectory, shared by the rollout and the warm start (sft.py) -----------
-
-
-@dataclass
-class Layout:
-    """One trajectory's tokens: the prompt, then segments in order, each the ids of model action
-    ``action`` (0, 1, ...) or of an observation (``action`` = -1)."""
-
-    prompt: list[int]
-    segments: list[tuple[list[int], int]] = field(default_factory=list)
-
-    def add(self, ids: list[int], action: int) -> None:
-        self.segments.append((ids, action))
-
-    def actions(self) -> list[list[int]]:
-        """The model's own token ids, one list per action."""
-        return [ids for ids, act in self.segments if act >= 0]
-
-    def __len__(self) -> int:
-        return len(self.prompt) + sum(len(ids) for ids, _ in self.segments)
-
-
-def pack(layouts: Sequence[Layout], pad_id: int) -> dict[str, Tensor]:
-    """Right-padded tensors of a batch of layouts (Trajectory's contract):
-    input_ids, attention_mask [B, T] long; loss_mask [B, T] bool (model tokens);
-    action_id [B, T] long (-1 off model tokens); prompt_len [B] long."""
-    B, T = len(layouts), max(len(lay) for lay in layouts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    action_id = torch.full((B, T), -1, dtype=torch.long)
-    for b, lay in enumerate(layouts):
-        ids, acts = list(lay.prompt), [-1] * len(lay.prompt)
-        for seg, act in lay.segments:
-            ids += seg
-            acts += [act] * len(seg)
-        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[b, : len(ids)] = 1
-        action_id[b, : len(ids)] = torch.tensor(acts, dtype=torch.long)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": action_id >= 0,
-        "action_id": action_id,
-        "prompt_len": torch.tensor([len(lay.prompt) for lay in layouts], dtype=torch.long),
-    }
-
-
-def token_texts(tokenizer, ids: list[int]) -> list[str]:
-    """The text each token adds to the decoded sequence (special tokens kept); joined, they are the
-    decoded text. One batched decode when the tokens decoded one by one already concatenate to the
-    whole (byte-level BPE on whole characters: the common case). Otherwise a streaming detokenizer
-    (as vLLM's): each token is decoded in a small window after the tokens before it (tokenizers that
-    add or drop spaces between pieces), and a token that ends inside a character (a split UTF-8
-    byte) adds nothing until the one that completes it, or until 4 tokens (one UTF-8 character at
-    most) have been held back."""
-    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-    pieces = tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
-    if "".join(pieces) == decode(ids):
-        return pieces
-    pieces, prefix, read = [], 0, 0  # ids[prefix:read] were emitted already and are kept as context
-    for i in range(len(ids)):
-        before, after = decode(ids[prefix:read]), decode(ids[prefix : i + 1])
-        if len(after) > len(before) and (not after.endswith("\ufffd") or i + 1 - read >= 4):
-            pieces.append(after[len(before):])
-            prefix, read = read, i + 1
-        else:
-            pieces.append("")
-    return pieces
-
-
-def answer_token_span(tokenizer, action: list[int]) -> list[int]:
-    """Indices of the action's tokens whose text overlaps its last <answer>...</answer>, in linear
-    time (decoding every prefix was O(n^2): 87 ms for a 553-token action)."""
-    pieces = token_texts(tokenizer, action)
-    text = "".join(pieces)
-    start = text.rfind("<answer>")
-    end = text.find("</answer>", start)
-    if start == -1 or end == -1:
-        return []
-    ends = list(itertools.accumulate(len(p) for p in pieces))  # ends[i]: characters up to token i
-    first = bisect.bisect_right(ends, start)  # the first token reaching past `start`
-    last = bisect.bisect_left(ends, end + len("</answer>"))  # the first token reaching the tag's end
-    return list(range(first, last + 1))
 
 
 @dataclass
@@ -278,7 +153,7 @@ class RolloutEngine:
         self.retriever = retriever
         self.reward_fn = reward_fn
         self.config = config
-        self.eos_ids = _eos_ids(tokenizer)
+        self.eos_ids = eos_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.stats: dict[str, float] = {}
 
@@ -590,8 +465,8 @@ class RolloutEngine:
     def _to_trajectory(self, rows: list[_Row], device: torch.device) -> Trajectory:
         packed = pack([row.layout for row in rows], self.pad_id)
         B, T = packed["input_ids"].shape
-        answer_mask = torch.zeros((B, T), dtype=torch.bool)
-        sample_logp = torch.zeros((B, T), dtype=torch.float32)
+        answer_mask = torch.zeros((B, T), dtype=torch.bool)  # [B, T]: the final answer's tokens
+        sample_logp = torch.zeros((B, T), dtype=torch.float32)  # [B, T]: log-probs as sampled, on model tokens
         for b, row in enumerate(rows):
             sample_logp[b, packed["loss_mask"][b]] = torch.tensor(row.sample_logp, dtype=torch.float32)
             if row.finish == "answer":
@@ -645,105 +520,3 @@ class RolloutEngine:
             out["em"].append(exact_match(answer, gold))
             out["f1"].append(f1_score(answer, gold))
         return out
-
-
-class _RaggedCache(DynamicCache):
-    """The KV cache of one rollout batch: per layer, keys and values in buffers
-    [S, kv_heads, C, head_dim] (S slots, capacity C), slot s holding its row's tokens at positions
-    0..length-1 (left-aligned, no holes: each row attends over its own length only). Before a
-    forward the engine sets which slots take part (``rows``, None = all) and where each new token
-    goes (``at``: [B, q] positions, also its position ids); a row's padding tokens write past its
-    length, where its next real tokens overwrite them. A buffer grows geometrically (O(1) amortised
-    copies per token), never by concatenating at every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
-        self.rows: Optional[Tensor] = None
-        self.at: Optional[Tensor] = None
-        self.kv_len = 0
-        self.capacity = 0
-
-    def prepare(self, at: Tensor, rows: Optional[Tensor], kv_len: int) -> None:
-        """Set up the next forward: keys 0..kv_len-1 (kv_len > every position in ``at``; the
-        engine knows it on the host, so no device sync)."""
-        self.at, self.rows, self.kv_len = at, rows, kv_len
-        if self.kv_len > self.capacity:
-            self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
-        if layer_idx == len(self.k):
-            shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
-            self.k.append(key_states.new_zeros(shape))
-            self.v.append(value_states.new_zeros(shape))
-        if self.k[layer_idx].shape[2] < self.capacity:
-            self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        if self.rows is None:  # every slot: scatter along the sequence, and attend over views (no copy)
-            index = self.at[:, None, :, None].expand(key_states.shape)  # [S, kv_heads, q, head_dim]
-            k.scatter_(2, index, key_states)
-            v.scatter_(2, index, value_states)
-            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
-        k[self.rows[:, None], :, self.at] = key_states.transpose(1, 2)  # indexed as [B, q, kv_heads, head_dim]
-        v[self.rows[:, None], :, self.at] = value_states.transpose(1, 2)
-        return k[self.rows, :, : self.kv_len], v[self.rows, :, : self.kv_len]  # copies: [B, kv_heads, kv_len, head_dim]
-
-    def _grown(self, buf: Tensor) -> Tensor:
-        out = buf.new_zeros(buf.shape[:2] + (self.capacity, buf.shape[-1]))
-        out[:, :, : buf.shape[2]] = buf
-        return out
-
-    def repeat_rows(self, repeats: int) -> None:
-        self.k = [k.repeat_interleave(repeats, dim=0) for k in self.k]
-        self.v = [v.repeat_interleave(repeats, dim=0) for v in self.v]
-
-    def keep_rows(self, index: Tensor) -> None:
-        self.k = [k[index] for k in self.k]
-        self.v = [v[index] for v in self.v]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len
-
-
-class _Decoder:
-    """The policy's decoder and LM head over a ragged cache: new tokens at explicit positions, with
-    the 4-D mask that lets each see its own row's earlier tokens and nothing else."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.decoder, self.head = decoder_and_head(model)
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-        if impl not in (None, "sdpa", "eager"):
-            raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
-        self.additive_mask = impl == "eager"  # eager adds the mask to the scores; sdpa takes a boolean one
-        # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
-        self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
-        embeddings = model.get_input_embeddings().weight  # the hidden states' dtype (weights may be packed 4-bit)
-        self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.cache = _RaggedCache()
-
-    def __call__(self, ids: Tensor, at: Tensor, kv_len: int, rows: Optional[Tensor] = None) -> Tensor:
-        """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot);
-        kv_len: one more than the largest position. Returns the last hidden states [B, q, D]."""
-        self.cache.prepare(at, rows, kv_len)
-        keys = torch.arange(kv_len, device=self.device)
-        mask = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
-        out = self.decoder(input_ids=ids, attention_mask=mask.unsqueeze(1), position_ids=at, **{self.cache_arg: self.cache}, use_cache=True)
-        return out.last_hidden_state
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        return self.head(hidden).float()
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
-            ids.add(tid)
-    return sorted(ids)

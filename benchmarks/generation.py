@@ -1,8 +1,8 @@
 """Multi-turn search rollouts vs plain ``model.generate`` making the same number of new tokens.
 
-    python benchmarks/rollout.py                       # SmolLM2-135M-Instruct fp32, BM25, synthetic KB
-    python benchmarks/rollout.py --json rollout.json --repeats 3
-    python benchmarks/rollout.py --baseline-rollout /path/to/old/rollout.py   # A/B two engines
+    python benchmarks/generation.py                    # SmolLM2-135M-Instruct fp32, BM25, synthetic KB
+    python benchmarks/generation.py --json rollout.json --repeats 3
+    python benchmarks/generation.py --baseline-rollout OLD/lldslight/rollout   # A/B two engines
 
 The engine runs the Search-R1 protocol (up to ``--max-turns`` searches, then an answer) on
 ``--prompts`` questions x G; every model token it samples is counted. ``model.generate`` then
@@ -20,7 +20,8 @@ Three of the engine's choices are measured directly:
 - the sampler: inverse-CDF sampling with one uniform per row vs log-softmax + torch.multinomial
   (what the engine did before), on [rows, vocabulary] logits, alternating, medians.
 ``--baseline-rollout`` A/Bs a whole other engine (e.g. the turn-synchronous one of an older
-commit) in the same process, alternating with this one. Every run records the load average
+commit) in the same process, alternating with this one: an older checkout's ``lldslight/rollout/``
+package (its folder) or, from before the package, its single ``lldslight/rollout.py``. Every run records the load average
 before and after it: on a shared machine only ratios of interleaved runs mean anything.
 """
 from __future__ import annotations
@@ -37,11 +38,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import harness  # noqa: E402
+if __package__:  # benchmarks.generation: imported, or run as python -m benchmarks.generation
+    from . import harness
+else:  # python benchmarks/generation.py: the script's own folder is on sys.path
+    import harness
 
 
 def load_engine_module(path: str | None):
@@ -49,7 +49,13 @@ def load_engine_module(path: str | None):
         import lldslight.rollout as mod
 
         return mod
-    spec = importlib.util.spec_from_file_location("baseline_rollout", path)
+    path = Path(path)
+    if path.name == "__init__.py":
+        path = path.parent
+    if path.is_dir():  # a rollout/ package: its modules import each other relatively, so they load from it
+        spec = importlib.util.spec_from_file_location("baseline_rollout", path / "__init__.py", submodule_search_locations=[str(path)])
+    else:  # one file: lldslight/rollout.py from before the package
+        spec = importlib.util.spec_from_file_location("baseline_rollout", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["baseline_rollout"] = mod
     spec.loader.exec_module(mod)
@@ -185,7 +191,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="alternating engine / generate runs (after a warm-up)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--random-init", default=None, help="JSON config overrides: a random model of that shape instead of the demo weights")
-    p.add_argument("--baseline-rollout", default=None, help="another rollout.py to A/B against this one (e.g. an older version)")
+    p.add_argument("--baseline-rollout", default=None, help="another engine to A/B against this one: a lldslight/rollout/ folder, or an older single rollout.py")
     p.add_argument("--skip-sharing", action="store_true", help="skip the prefill-sharing A/B")
     p.add_argument("--stop-every", type=int, default=0,
                    help="also end a turn at every N-th token id: rows end turns at scattered steps, as a searching policy's do "
