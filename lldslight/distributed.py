@@ -227,10 +227,11 @@ def gradient_sync(pl_module: Any, enabled: bool) -> Iterator[None]:
             yield
 
 
-def data_parallel_mesh(mesh: Any, hparams: Any) -> Any:
+def data_parallel_mesh(mesh: Any, micro_batch_tokens: Optional[int], optimizer: str) -> Any:
     """The data-parallel mesh to shard the policy over with FSDP2, from the one Lightning's
     ModelParallelStrategy gives the module (None under DDP or on one device: no sharding). Refuses
-    the settings sharding cannot serve, before the model is loaded."""
+    the settings sharding cannot serve (``model.micro_batch_tokens``, ``model.optimizer``), before
+    the model is loaded."""
     if mesh is None:
         return None
     names = mesh.mesh_dim_names or ()
@@ -240,13 +241,13 @@ def data_parallel_mesh(mesh: Any, hparams: Any) -> Any:
             "shards with FSDP2 over data parallelism only. Use lldslight.distributed.FSDP2Strategy, or set "
             "data_parallel_size to the number of processes and tensor_parallel_size: 1."
         )
-    if hparams.get("micro_batch_tokens"):
+    if micro_batch_tokens:
         raise ValueError(
             "model.micro_batch_tokens packs each process's rows on its own, and under FSDP2 every forward "
             "is a collective that needs the same number of micro-batches on every rank: use "
             "model.micro_batch_size under FSDP2 (packing works under strategy: ddp)"
         )
-    if hparams.get("optimizer") == "adamw8bit":
+    if optimizer == "adamw8bit":
         raise ValueError(
             "model.optimizer: adamw8bit (bitsandbytes) cannot step FSDP2's sharded DTensor parameters; "
             "use optimizer: adamw under FSDP2, or strategy: ddp for 8-bit AdamW"

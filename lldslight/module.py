@@ -4,7 +4,12 @@ This file sets up the models, the optimiser and the checkpoint state, and logs; 
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
 optimiser step) read top to bottom in update.py, and the formulas live in objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
-gradient-spike guard); see update.py for the contracts.
+gradient-spike guard); see update.py for the contracts. GRPOModule is update.py's ``Learner``
+(what an update needs from the model) and builds the update's settings, ``update.UpdateConfig``,
+from its hyper-parameters once: ``self.update_config``, which callbacks read too.
+
+The rollout callback hands its trajectories over through one method, :meth:`GRPOModule.receive_rollout`;
+every attribute a callback may set or read is declared, typed, in ``__init__``.
 
 One "step" (``trainer.global_step``, ``max_steps``, checkpoint intervals) is one rollout batch,
 as in veRL and TRL logs, however many optimiser updates it holds.
@@ -13,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ContextManager, Literal, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -25,18 +31,26 @@ from lldslight import evaluation
 from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
-from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, reduce_over_ranks, shard_policy, through_root
+from lldslight.distributed import (
+    FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, gradient_sync, reduce_over_ranks, shard_policy, through_root,
+)
 from lldslight.errors import require
 from lldslight.checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy
 from lldslight.trajectory import Trajectory
-from lldslight.update import LossContext, LossTerm, StepContext, StepGate  # noqa: F401 (the hooks' contracts)
+from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
+
+_U = UpdateConfig  # the update's settings take their defaults from UpdateConfig (defined once, there)
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO on search trajectories.
+    """GRPO on search trajectories; update.py's ``Learner``.
+
+    The settings the update reads (``updates_per_rollout`` ... ``negative_advantages`` below, but
+    not the optimiser's or the log-probs') form ``self.update_config`` (update.UpdateConfig), built
+    once here; their defaults are UpdateConfig's.
 
     Args:
         policy: which model, LoRA, dtype, checkpointing.
@@ -105,26 +119,26 @@ class GRPOModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: Optional[int] = None,
         warmup_ratio: float = 0.0,
-        grad_clip: float = 1.0,
+        grad_clip: float = _U.grad_clip,
         optimizer: Literal["adamw", "adamw8bit"] = "adamw",
-        updates_per_rollout: int = 1,
-        micro_batch_size: int = 4,
-        micro_batch_tokens: Optional[int] = None,
-        reuse_onpolicy_logp: bool = True,
-        old_logp_source: Literal["recompute", "rollout"] = "recompute",
-        clip_eps: float = 0.2,
-        clip_eps_high: Optional[float] = None,
-        ratio_clamp: Optional[float] = None,
-        aggregation: obj.Aggregation = "seq-mean-token-mean",
-        normalize_adv_std: bool = True,
-        kl_coef: float = 0.001,
-        kl_estimator: obj.KLEstimator = "k3",
-        entropy_coef: float = 0.0,
+        updates_per_rollout: int = _U.updates_per_rollout,
+        micro_batch_size: int = _U.micro_batch_size,
+        micro_batch_tokens: Optional[int] = _U.micro_batch_tokens,
+        reuse_onpolicy_logp: bool = _U.reuse_onpolicy_logp,
+        old_logp_source: Literal["recompute", "rollout"] = _U.old_logp_source,
+        clip_eps: float = _U.clip_eps,
+        clip_eps_high: Optional[float] = _U.clip_eps_high,
+        ratio_clamp: Optional[float] = _U.ratio_clamp,
+        aggregation: obj.Aggregation = _U.aggregation,
+        normalize_adv_std: bool = _U.normalize_adv_std,
+        kl_coef: float = _U.kl_coef,
+        kl_estimator: obj.KLEstimator = _U.kl_estimator,
+        entropy_coef: float = _U.entropy_coef,
         logprob_temperature: float = 1.0,
         logprob_chunk_size: Optional[int] = None,
-        shuffle_minibatches: bool = True,
-        minibatch_grouping: Literal["rows", "prompts"] = "rows",
-        negative_advantages: obj.NegativeAdvantages = "keep",
+        shuffle_minibatches: bool = _U.shuffle_minibatches,
+        minibatch_grouping: Literal["rows", "prompts"] = _U.minibatch_grouping,
+        negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()
@@ -132,19 +146,11 @@ class GRPOModule(pl.LightningModule):
         require(lr > 0, "model.lr", "> 0", lr)
         require(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
         require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", "two numbers in [0, 1)", betas)
-        require(grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", grad_clip)
-        require(clip_eps > 0, "model.clip_eps", "> 0 (PPO's clip range; the paper uses 0.2)", clip_eps)
-        require(clip_eps_high is None or clip_eps_high > 0, "model.clip_eps_high", "> 0 or null (= clip_eps)", clip_eps_high)
-        require(kl_coef >= 0, "model.kl_coef", ">= 0 (0 = no KL term)", kl_coef)
-        require(updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", updates_per_rollout)
-        require(micro_batch_size >= 1, "model.micro_batch_size", ">= 1", micro_batch_size)
-        require(micro_batch_tokens is None or micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null", micro_batch_tokens)
         require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
         require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
         require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
-        require(minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", minibatch_grouping)
-        require(negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'", negative_advantages)
-        require(ratio_clamp is None or ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null", ratio_clamp)
+        # The update's settings, typed; UpdateConfig checks their ranges (the same "model.<key>" messages).
+        self.update_config: UpdateConfig = UpdateConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(UpdateConfig)})
         if old_logp_source == "rollout" and policy.precision != "fp32":
             arith = resolve_precision(policy)  # "auto" asks the hardware now (cheap), so this fails before loading
             require(arith.precision == "fp32", "model.old_logp_source", "'recompute' under policy.precision "
@@ -153,24 +159,27 @@ class GRPOModule(pl.LightningModule):
                     "'recompute' costs no forward for the on-policy mini-batch (reuse_onpolicy_logp)")
         self.policy_config = policy
         self.fsdp_config = fsdp
-        self._rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume)
+        self.logprob_temperature: float = logprob_temperature  # of the training log-probs (SearchRollout checks the sampler's)
         self.automatic_optimization = False
         # Checkpoints hold only trainable weights (the adapter under LoRA): loading is non-strict.
         self.strict_loading = False
-        self.policy: Optional[torch.nn.Module] = None
-        self.reference: Optional[torch.nn.Module] = None
-        self.tokenizer = None
-        self.loss_terms: dict[str, LossTerm] = {}
-        self.step_gates: dict[str, StepGate] = {}
-        self.rollout_batch: Optional[Trajectory] = None  # set by SearchRollout before each step
-        self.eval_batch: Optional[Trajectory] = None
-        self.last_rollout: Optional[Trajectory] = None  # the step's rollouts, prepared (callbacks read it)
-        self.timings: dict[str, float] = {}
-        self.last_step_metrics: dict[str, float] = {}
-        self.eval_records: list[dict] = []
-        self.last_eval: dict[str, Any] = {}
-        self.vetoed_updates = 0
+        # Every attribute a callback may set or read, declared here (tests/test_handoff.py checks it).
+        self.policy: Optional[torch.nn.Module] = None  # the trained model (configure_model)
+        self.reference: Optional[torch.nn.Module] = None  # the frozen copy for KL (full fine-tuning); Heal may set it
+        self.tokenizer = None  # the policy's tokenizer (configure_model)
+        self.loss_terms: dict[str, LossTerm] = {}  # add_loss_term (LLDS)
+        self.step_gates: dict[str, StepGate] = {}  # add_step_gate (GradientSpikeGuard)
+        self.rollout_batch: Optional[Trajectory] = None  # receive_rollout(stage="train"): the next step's rollouts
+        self.eval_batch: Optional[Trajectory] = None  # receive_rollout(stage="eval"): the next eval step's rollouts
+        self.last_rollout: Optional[Trajectory] = None  # the step's rollouts, prepared (LLDMonitor, RunSummary read it)
+        self.timings: dict[str, float] = {}  # seconds per phase of the last step, logged as time/<key>
+        self.last_step_metrics: dict[str, float] = {}  # the last step's train/* metrics, reduced over ranks
+        self.eval_records: list[dict] = []  # this evaluation's per-question records
+        self.last_eval: dict[str, Any] = {}  # the last evaluation's result (evaluation.finish)
+        self.eval_history: dict[str, dict] = {}  # SearchRollout's before/after-fit dev summaries, by "before"/"after"
+        self.vetoed_updates = 0  # updates vetoed so far (update.step)
         self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
+        self.rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume; Heal restores it)
         self._saved_hparams: Optional[dict] = None  # the resumed checkpoint's hyper-parameters (on_train_start)
 
     # -- model ------------------------------------------------------------------------------------
@@ -197,10 +206,11 @@ class GRPOModule(pl.LightningModule):
         self.policy.train()
         if self._trainer is not None:
             fsdp2_strategy_check(self._trainer.strategy)
-        mesh = data_parallel_mesh(self.device_mesh, self.hparams)  # FSDP2 (ModelParallelStrategy), else None
+        # FSDP2 (ModelParallelStrategy), else None
+        mesh = data_parallel_mesh(self.device_mesh, micro_batch_tokens=self.update_config.micro_batch_tokens, optimizer=self.hparams.optimizer)
         if mesh is not None:
             shard_policy(self.policy, mesh, self.fsdp_config)
-        if not has_adapter(self.policy) and self.hparams.kl_coef > 0:
+        if not has_adapter(self.policy) and self.update_config.kl_coef > 0:
             # Full fine-tuning: the reference must be a separate frozen copy of the initial weights.
             # Sharded, it is loaded again (a sharded model cannot be deep-copied, and two full
             # copies on the host at once would double the peak host memory of every rank).
@@ -229,6 +239,32 @@ class GRPOModule(pl.LightningModule):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def gradient_sync(self, enabled: bool) -> ContextManager[None]:
+        """Backward passes inside reduce gradients over ranks only when ``enabled`` (update.Learner)."""
+        return gradient_sync(self, enabled)
+
+    def reconfigure_update(self, **changes: Any) -> None:
+        """Change update settings mid-run (Heal's remedies: ``updates_per_rollout``, ``kl_coef``):
+        ``update_config`` (checked again) and the hyper-parameters saved in checkpoints alike."""
+        self.update_config = dataclasses.replace(self.update_config, **changes)
+        for key, value in changes.items():
+            self.hparams[key] = value
+
+    def receive_rollout(
+        self, trajectory: Trajectory, stage: Literal["train", "eval"] = "train", timings: Optional[Mapping[str, float]] = None
+    ) -> None:
+        """The rollout callback's hand-off (SearchRollout, before each step): ``trajectory`` is what
+        the next training step trains on (``stage="train"``) or the next validation/test step scores
+        (``"eval"``); ``timings`` (seconds, e.g. ``rollout_s``, ``retrieval_s``) are logged with the
+        step as ``time/<key>``."""
+        require(stage in ("train", "eval"), "receive_rollout stage", "'train' or 'eval'", stage)
+        if stage == "train":
+            self.rollout_batch = trajectory
+        else:
+            self.eval_batch = trajectory
+        if timings:
+            self.timings.update(timings)
+
     def configure_optimizers(self):
         params = self.trainable_parameters()
         hp = self.hparams
@@ -252,7 +288,6 @@ class GRPOModule(pl.LightningModule):
     def logprobs(self, traj: Trajectory, reference: bool = False, with_entropy: bool = False) -> tuple[Tensor, Tensor]:
         """Token log-probs and entropies [b, T] of ``traj``'s model tokens under the policy, or under
         the frozen reference: its own copy (full fine-tuning) or the policy with the adapter off."""
-        hp = self.hparams
         model = self.reference if reference and self.reference is not None else self.policy
         adapter_off = self.policy.disable_adapter() if reference and self.reference is None else contextlib.nullcontext()
         budget = self.policy_config.activation_budget_mb * 2**20 if self.policy_config.gradient_checkpointing == "auto" else None
@@ -262,14 +297,15 @@ class GRPOModule(pl.LightningModule):
                 traj.input_ids,
                 traj.attention_mask,
                 traj.loss_mask,
-                chunk_size=hp.logprob_chunk_size,
-                temperature=hp.logprob_temperature,
+                chunk_size=self.hparams.logprob_chunk_size,
+                temperature=self.logprob_temperature,
                 with_entropy=with_entropy,
-                entropy_grad=bool(hp.entropy_coef),  # else the entropy is a logged diagnostic only
+                entropy_grad=bool(self.update_config.entropy_coef),  # else the entropy is a logged diagnostic only
             ))
 
-    def _batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
-        """No-grad log-probs of ``rows`` in micro-batches (update.batch_logprobs; LLDMonitor uses it)."""
+    def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
+        """No-grad log-probs [B, T] of ``rows`` (default: all) in micro-batches (update.batch_logprobs;
+        LLDMonitor and LLDProbe use it)."""
         return update.batch_logprobs(self, traj, reference=reference, rows=rows)
 
     # -- training -------------------------------------------------------------------------------------
@@ -279,7 +315,7 @@ class GRPOModule(pl.LightningModule):
         if traj is None:
             raise RuntimeError(
                 "GRPOModule got no rollouts: add the SearchRollout callback to trainer.callbacks "
-                "(see configs/demo.yaml)"
+                "(see configs/demo.yaml), or hand them over with receive_rollout"
             )
         self.rollout_batch = None
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
@@ -289,7 +325,7 @@ class GRPOModule(pl.LightningModule):
         self.timings.update(result.timings)
         self._log_step(result)
         # Exact resume: the next step starts from this RNG state, here and after a restart.
-        self._rng_after_step = capture_rng()
+        self.rng_after_step = capture_rng()
 
     def _count_training_step(self) -> None:
         # Lightning counts a manual-optimisation step per optimizer.step(); we want one per rollout
@@ -342,7 +378,7 @@ class GRPOModule(pl.LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in state.items() if k in trainable}
         checkpoint["lldslight"] = {
             "trainable_keys": sorted(trainable),
-            "rng": gather_rng(self._rng_after_step if self._rng_after_step is not None else capture_rng()),
+            "rng": gather_rng(self.rng_after_step if self.rng_after_step is not None else capture_rng()),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -365,7 +401,7 @@ class GRPOModule(pl.LightningModule):
                 state.setdefault(k, v)
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == "fit":  # resuming training, not just loading weights
-            self._rng_after_step = pick_rng(meta.get("rng"), trainer.global_rank, trainer.world_size)
+            self.rng_after_step = pick_rng(meta.get("rng"), trainer.global_rank, trainer.world_size)
             self._saved_hparams = dict(checkpoint.get("hyper_parameters") or {})
 
     def on_train_start(self) -> None:
@@ -405,8 +441,8 @@ class GRPOModule(pl.LightningModule):
         # Start each training step from the RNG state the previous one ended with (restored from the
         # checkpoint after a restart): random draws between steps (the data loader draws a seed when
         # it starts an epoch, and again when a resumed run restarts it) then never shift the stream.
-        if self._trainer is not None and self._trainer.training and self._rng_after_step is not None:
-            restore_rng(self._rng_after_step)
+        if self._trainer is not None and self._trainer.training and self.rng_after_step is not None:
+            restore_rng(self.rng_after_step)
         return batch
 
     # -- evaluation (lldslight/evaluation.py) --------------------------------------------------------

@@ -18,6 +18,12 @@ sum of its micro-batches' however it is cut (``micro_batch_size``, ``micro_batch
 spread over ranks: DDP and FSDP2 average gradients over ranks, so each rank backpropagates its
 part times the world size, and 2 ranks x 2 rows give the gradient of 1 rank x 4 rows.
 
+The update owns its interface: :class:`UpdateConfig` holds every setting it reads (typed, each
+default defined once, here), and :class:`Learner` is what it needs from the model it trains
+(log-probs, trainable parameters, backward, gradient sync, loss terms, step gates). GRPOModule
+implements Learner and builds its UpdateConfig from its hyper-parameters once; this file imports
+nothing from module.py (tests/test_import_graph.py: no import cycles).
+
 Callbacks extend an update through two hooks registered on the module:
 - loss terms, fn(LossContext) -> scalar tensor, added to the loss (LLDS is one): a sum over the
   micro-batch divided by one of ``ctx.totals``. A term must not run collectives: ranks may run
@@ -31,7 +37,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -39,11 +45,69 @@ from torch.distributed.tensor import DTensor
 
 from lldslight import hostmem
 from lldslight import objectives as obj
-from lldslight.distributed import all_ranks_agree, gradient_sync, sum_over_ranks, world_size
+from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
+from lldslight.errors import require
 from lldslight.trajectory import Trajectory
 
-if TYPE_CHECKING:
-    from lldslight.module import GRPOModule
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """Every setting the update reads (``model.<field>`` in YAML; GRPOModule's Args say more).
+
+    GRPOModule builds one from its hyper-parameters in ``__init__`` and its signature takes its
+    defaults from here. Frozen: a change mid-run (Heal's remedies) goes through
+    ``GRPOModule.reconfigure_update``, which also updates the hyper-parameters saved in checkpoints.
+    """
+
+    updates_per_rollout: int = 1
+    """Mini-batches (optimiser updates) per rollout batch; the first is on-policy."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward; gradients accumulate over a mini-batch."""
+    micro_batch_tokens: Optional[int] = None
+    """When set, micro-batches are packed by this token budget (rows x longest row) instead."""
+    reuse_onpolicy_logp: bool = True
+    """The on-policy mini-batch's old log-probs are its own detached log-probs (no separate pass)."""
+    old_logp_source: Literal["recompute", "rollout"] = "recompute"
+    """pi_old's log-probs: a no-grad forward pass, or the sampler's own (fp32 only)."""
+    clip_eps: float = 0.2
+    """PPO clip epsilon, lower side."""
+    clip_eps_high: Optional[float] = None
+    """PPO clip epsilon, upper side (None = ``clip_eps``)."""
+    ratio_clamp: Optional[float] = None
+    """Cap on the importance ratio before the PPO clip (None = no cap)."""
+    aggregation: obj.Aggregation = "seq-mean-token-mean"
+    """How token losses become a mini-batch loss (objectives.aggregate)."""
+    normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group's std."""
+    kl_coef: float = 0.001
+    """KL-to-reference coefficient; 0 skips the reference's log-probs."""
+    kl_estimator: obj.KLEstimator = "k3"
+    """The KL estimator (objectives.kl_penalty)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0: the entropy is a logged diagnostic only)."""
+    grad_clip: float = 1.0
+    """Max total gradient norm (0 = no clipping)."""
+    shuffle_minibatches: bool = True
+    """Shuffle rows (or groups) before splitting them into mini-batches."""
+    minibatch_grouping: Literal["rows", "prompts"] = "rows"
+    """Split rows, or whole prompts' groups, into mini-batches."""
+    negative_advantages: obj.NegativeAdvantages = "keep"
+    """A collapse-lab control on the policy gradient of rows with A < 0 (objectives.policy_gradient_weight)."""
+
+    def __post_init__(self) -> None:
+        require(self.grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
+        require(self.clip_eps > 0, "model.clip_eps", "> 0 (PPO's clip range; the paper uses 0.2)", self.clip_eps)
+        require(self.clip_eps_high is None or self.clip_eps_high > 0, "model.clip_eps_high", "> 0 or null (= clip_eps)", self.clip_eps_high)
+        require(self.kl_coef >= 0, "model.kl_coef", ">= 0 (0 = no KL term)", self.kl_coef)
+        require(self.updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", self.updates_per_rollout)
+        require(self.micro_batch_size >= 1, "model.micro_batch_size", ">= 1", self.micro_batch_size)
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null",
+                self.micro_batch_tokens)
+        require(self.minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", self.minibatch_grouping)
+        require(self.negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'",
+                self.negative_advantages)
+        require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
+                self.ratio_clamp)
 
 
 @dataclass
@@ -83,7 +147,7 @@ class LossContext:
 class StepContext:
     """What a step gate sees after backward, before the optimiser step."""
 
-    module: "GRPOModule"
+    module: Learner
     grad_norm: Tensor  # total pre-clip gradient norm (all ranks)
     loss: float  # this rank's part of the mini-batch loss
     update_index: int
@@ -93,6 +157,47 @@ class StepContext:
 
 LossTerm = Callable[[LossContext], Tensor]
 StepGate = Callable[[StepContext], bool]
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """What the update needs from the model it trains (GRPOModule implements it)."""
+
+    vetoed_updates: int  # updates vetoed so far; the update counts each veto here
+
+    @property
+    def update_config(self) -> UpdateConfig:
+        """The update's settings."""
+
+    @property
+    def loss_terms(self) -> Mapping[str, LossTerm]:
+        """Terms added to every micro-batch's loss, by name (LLDS is one)."""
+
+    @property
+    def step_gates(self) -> Mapping[str, StepGate]:
+        """Gates that may veto an optimiser step, by name (the gradient-spike guard is one)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the trajectory's tensors and the collectives' tensors live."""
+
+    @property
+    def global_step(self) -> int:
+        """The training step being trained (step gates read it)."""
+
+    def logprobs(self, traj: Trajectory, reference: bool = False, with_entropy: bool = False) -> tuple[Tensor, Tensor]:
+        """Token log-probs and entropies [b, T] of ``traj``'s rows under the policy (with grad when
+        enabled) or the frozen reference; zero off model tokens."""
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimiser steps (their gradients are clipped and gated)."""
+
+    def manual_backward(self, loss: Tensor) -> None:
+        """Backpropagate ``loss`` (through the strategy: DDP, FSDP2)."""
+
+    def gradient_sync(self, enabled: bool) -> ContextManager[None]:
+        """Backward passes inside reduce gradients over ranks only when ``enabled``
+        (distributed.gradient_sync)."""
 
 
 @dataclass
@@ -133,13 +238,13 @@ class RolloutUpdates:
 # -- 0. the rollout batch ----------------------------------------------------------------------------
 
 
-def train_on_rollout(module: "GRPOModule", traj: Trajectory, optimizer, scheduler) -> RolloutUpdates:
-    hp = module.hparams
-    order = minibatch_order(traj.group_id.cpu(), hp.shuffle_minibatches, hp.minibatch_grouping == "prompts")
-    minibatches = [m for m in torch.tensor_split(order, hp.updates_per_rollout) if len(m)]
+def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) -> RolloutUpdates:
+    cfg = module.update_config
+    order = minibatch_order(traj.group_id.cpu(), cfg.shuffle_minibatches, cfg.minibatch_grouping == "prompts")
+    minibatches = [m for m in torch.tensor_split(order, cfg.updates_per_rollout) if len(m)]
     hostmem.trim()  # what the rollout freed: the update's peak starts from the idle process
     t0 = time.perf_counter()
-    traj = prepare(module, traj, onpolicy_rows=minibatches[0] if hp.get("reuse_onpolicy_logp", True) else None)
+    traj = prepare(module, traj, onpolicy_rows=minibatches[0] if cfg.reuse_onpolicy_logp else None)
     # V for LLDS-MA: once per rollout batch, on every rank (a collective), never inside an update.
     searches = mean_valid_searches(traj) if module.loss_terms else float("nan")
     timings = {"logprob_s": time.perf_counter() - t0}
@@ -175,25 +280,25 @@ def minibatch_order(group_id: Tensor, shuffle: bool, by_prompt: bool) -> Tensor:
 # -- 1. prepare: advantages, old and reference log-probs ---------------------------------------------
 
 
-def prepare(module: "GRPOModule", traj: Trajectory, onpolicy_rows: Optional[Tensor] = None) -> Trajectory:
+def prepare(module: Learner, traj: Trajectory, onpolicy_rows: Optional[Tensor] = None) -> Trajectory:
     """A copy of ``traj`` with group advantages and old and reference log-probs.
 
     ``onpolicy_rows``: rows of the first (on-policy) mini-batch: its update runs on the weights
     that sampled them, so its own log-probs, detached, are the old ones (``reuse_onpolicy_logp``).
     They are marked in ``old_logp_pending`` and left at zero here.
     """
-    hp = module.hparams
+    cfg = module.update_config
     pending = torch.zeros(len(traj), dtype=torch.bool)
     if onpolicy_rows is not None:
         pending[onpolicy_rows] = True
-    if hp.get("old_logp_source", "recompute") == "rollout" and traj.sample_logp is not None:
+    if cfg.old_logp_source == "rollout" and traj.sample_logp is not None:
         # The sampler's own log-probs (same weights, same temperature): no extra forward pass.
         old_logp = traj.sample_logp
         pending[:] = False
     else:
         old_logp = batch_logprobs(module, traj, reference=False, rows=(~pending).nonzero()[:, 0])
-    advantage = obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std)
-    negatives = hp.negative_advantages
+    advantage = obj.group_advantages(traj.reward, traj.group_id, normalize_std=cfg.normalize_adv_std)
+    negatives = cfg.negative_advantages
     shared = None
     if negatives == "unshared":
         shared = obj.shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, advantage)
@@ -202,13 +307,13 @@ def prepare(module: "GRPOModule", traj: Trajectory, onpolicy_rows: Optional[Tens
         advantage=advantage,
         pg_weight=obj.policy_gradient_weight(advantage, traj.loss_mask, negatives, shared),
         old_logp=old_logp,
-        ref_logp=batch_logprobs(module, traj, reference=True) if hp.kl_coef > 0 else None,
+        ref_logp=batch_logprobs(module, traj, reference=True) if cfg.kl_coef > 0 else None,
         old_logp_pending=pending.to(traj.input_ids.device) if bool(pending.any()) else None,
     )
 
 
 @torch.no_grad()
-def batch_logprobs(module: "GRPOModule", traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
+def batch_logprobs(module: Learner, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
     """Log-probs [B, T] of ``rows`` (default: all) under the policy or the reference, zero elsewhere."""
     out = torch.zeros(traj.input_ids.shape, dtype=torch.float32, device=traj.input_ids.device)
     rows = torch.arange(len(traj)) if rows is None else rows
@@ -236,14 +341,14 @@ class _Update:
     old_logp: Optional[Tensor]  # the rollout batch's old log-probs with the pending rows filled in
 
 
-def micro_batches(module: "GRPOModule", traj: Trajectory, rows: Tensor) -> list[Tensor]:
+def micro_batches(module: Learner, traj: Trajectory, rows: Tensor) -> list[Tensor]:
     """Split ``rows`` into micro-batches: ``micro_batch_size`` rows each, or packed by
     ``micro_batch_tokens`` (sorted by length, so rows of similar length share a batch; as many per
     micro-batch as fit in rows x longest row <= budget, a longer row alone)."""
-    hp = module.hparams
-    budget = hp.get("micro_batch_tokens")
+    cfg = module.update_config
+    budget = cfg.micro_batch_tokens
     if not budget:
-        return [rows[i : i + hp.micro_batch_size] for i in range(0, len(rows), hp.micro_batch_size)]
+        return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     lengths = traj.attention_mask[rows.to(traj.attention_mask.device)].sum(-1).cpu()
     order = rows[torch.argsort(lengths, stable=True)]
     sorted_len = lengths.sort(stable=True).values.tolist()
@@ -264,7 +369,7 @@ def mini_batch_totals(traj: Trajectory, rows: Tensor) -> Totals:
     return Totals(*sum_over_ranks(local).tolist())
 
 
-def update(module: "GRPOModule", traj: Trajectory, rows: Tensor, update_index: int, optimizer, searches: float) -> _Update:
+def update(module: Learner, traj: Trajectory, rows: Tensor, update_index: int, optimizer, searches: float) -> _Update:
     """One optimiser update on the mini-batch ``rows`` of ``traj``."""
     optimizer.zero_grad(set_to_none=True)
     totals = mini_batch_totals(traj, rows)
@@ -285,7 +390,7 @@ def update(module: "GRPOModule", traj: Trajectory, rows: Tensor, update_index: i
         loss, stats = micro_batch_loss(module, sub, logp, entropy, totals, searches, update_index)
         if update_index == 0 and sub.sample_logp is not None:
             stats.update(logp_mismatch(sub.sample_logp, logp.detach(), sub.loss_mask, totals.tokens))
-        with gradient_sync(module, enabled=i == len(micro) - 1):
+        with module.gradient_sync(enabled=i == len(micro) - 1):
             if bool(torch.isfinite(loss)):
                 module.manual_backward(loss * scale)
             else:
@@ -323,11 +428,11 @@ def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float)
 
 
 def micro_batch_loss(
-    module: "GRPOModule", sub: Trajectory, logp: Tensor, entropy: Tensor, totals: Totals, searches: float, update_index: int
+    module: Learner, sub: Trajectory, logp: Tensor, entropy: Tensor, totals: Totals, searches: float, update_index: int
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
     """The micro-batch's part of the mini-batch loss: policy loss + KL + entropy bonus + the
     registered terms, each (sum over these rows) / a mini-batch total. Returns (loss, diagnostics)."""
-    hp = module.hparams
+    cfg = module.update_config
     mask, old_logp, ref_logp = sub.loss_mask, sub.old_logp, sub.ref_logp
     finite = torch.isfinite(logp) & torch.isfinite(old_logp)
     if ref_logp is not None:
@@ -338,15 +443,15 @@ def micro_batch_loss(
         mask = mask & finite
         logp, old_logp = logp.masked_fill(~finite, 0.0), old_logp.masked_fill(~finite, 0.0)
         ref_logp = ref_logp.masked_fill(~finite, 0.0) if ref_logp is not None else None
-    n = totals.for_aggregation(hp.aggregation)
+    n = totals.for_aggregation(cfg.aggregation)
     tokens = max(totals.tokens, 1.0)
 
     pg, ratio, clipped = obj.clipped_surrogate(
-        logp, old_logp, sub.advantage, hp.clip_eps, hp.clip_eps_high, hp.get("ratio_clamp")
+        logp, old_logp, sub.advantage, cfg.clip_eps, cfg.clip_eps_high, cfg.ratio_clamp
     )
     if sub.pg_weight is not None:
         pg = pg * sub.pg_weight  # a negative-gradient control: the weight changes the gradient, not the normaliser
-    pg_loss = obj.aggregate(pg, mask, hp.aggregation, n)
+    pg_loss = obj.aggregate(pg, mask, cfg.aggregation, n)
     loss = pg_loss
     stats: dict[str, Tensor | float] = {
         "pg_loss": pg_loss.detach(),
@@ -356,12 +461,12 @@ def micro_batch_loss(
         "nonfinite_tokens": nonfinite,
         "nonfinite_loss": 0.0,  # set by update(): every rank logs the same keys
     }
-    if hp.kl_coef > 0:
-        kl = obj.aggregate(obj.kl_penalty(logp, ref_logp, hp.kl_estimator), mask, hp.aggregation, n)
-        loss = loss + hp.kl_coef * kl
+    if cfg.kl_coef > 0:
+        kl = obj.aggregate(obj.kl_penalty(logp, ref_logp, cfg.kl_estimator), mask, cfg.aggregation, n)
+        loss = loss + cfg.kl_coef * kl
         stats["kl"] = kl.detach()
-    if hp.entropy_coef:
-        loss = loss - hp.entropy_coef * obj.aggregate(entropy, mask, hp.aggregation, n)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * obj.aggregate(entropy, mask, cfg.aggregation, n)
     if module.loss_terms:
         ctx = LossContext(
             logp=logp, old_logp=old_logp, ref_logp=ref_logp, advantage=sub.advantage, loss_mask=mask,
@@ -375,7 +480,7 @@ def micro_batch_loss(
     return loss, stats
 
 
-def step(module: "GRPOModule", optimizer, update_index: int, loss_ok: bool, loss: float) -> dict[str, float]:
+def step(module: Learner, optimizer, update_index: int, loss_ok: bool, loss: float) -> dict[str, float]:
     """Gradient norm, step gates, then the optimiser step, or a veto that changes nothing."""
     params = module.trainable_parameters()
     grads = [p.grad for p in params if p.grad is not None]
@@ -391,8 +496,8 @@ def step(module: "GRPOModule", optimizer, update_index: int, loss_ok: bool, loss
             ctx.vetoed = True
     accept = all_ranks_agree(not ctx.vetoed, module.device)  # one rank stepping alone splits the replicas
     if accept:
-        if module.hparams.grad_clip > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, module.hparams.grad_clip, ctx.grad_norm)
+        if module.update_config.grad_clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, module.update_config.grad_clip, ctx.grad_norm)
         optimizer.step()
     else:
         # A vetoed update leaves weights and optimiser state exactly as they were.

@@ -32,9 +32,9 @@ def fit(tmp_path, synth_kb, bm25, reward, max_rounds: int, steps: int = 2, seed:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    from lldslight.callbacks import DynamicSampling, SearchRollout
-    from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.callbacks import SearchRollout, SearchRolloutOptions
     from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.dynamic_sampling import DynamicSamplingConfig
     from lldslight.module import GRPOModule
     from lldslight.rollout import RolloutConfig
 
@@ -42,8 +42,8 @@ def fit(tmp_path, synth_kb, bm25, reward, max_rounds: int, steps: int = 2, seed:
     rollout = RolloutConfig(group_size=G, max_turns=1, max_new_tokens=6, max_obs_tokens=16, max_response_tokens=40, topk=1)
     option = DynamicSamplingConfig() if via_callback else DynamicSamplingConfig(enabled=True, max_rounds=max_rounds)
     callbacks = [CountGenerate(str(tmp_path / "calls")), SearchRollout(retriever=bm25, reward=reward, rollout=rollout, dynamic_sampling=option)]
-    if via_callback:
-        callbacks.append(DynamicSampling(max_rounds=max_rounds))
+    if via_callback:  # as a config composed on top sets it (configs/dynamic_sampling.yaml)
+        callbacks.append(SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=max_rounds)))
     module = GRPOModule(policy=tiny_policy_config(), lr=1e-3, updates_per_rollout=1, micro_batch_size=8, kl_coef=0.0)
     data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=BATCH, seed=seed)
     trainer = pl.Trainer(
@@ -145,13 +145,15 @@ def test_refill_stream_is_deterministic_distinct_and_resumes(synth_kb) -> None:
 def test_a_group_of_one_is_refused_before_training(synth_kb, bm25) -> None:
     import lightning.pytorch as pl
 
-    from lldslight.callbacks import DynamicSampling, SearchRollout
+    from lldslight.callbacks import SearchRollout, SearchRolloutOptions
     from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.dynamic_sampling import DynamicSamplingConfig
     from lldslight.module import GRPOModule
     from lldslight.rollout import RolloutConfig
 
     rollout = SearchRollout(retriever=bm25, rollout=RolloutConfig(group_size=1, max_new_tokens=4))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, callbacks=[rollout, DynamicSampling()],
+    options = SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, callbacks=[rollout, options],
                          enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0)
     data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=BATCH)
     with pytest.raises(ValueError, match="group_size must be >= 2 for training"):  # SearchRollout.setup, any training
@@ -160,13 +162,78 @@ def test_a_group_of_one_is_refused_before_training(synth_kb, bm25) -> None:
 
 
 def test_mixed_groups_on_hand_built_rewards() -> None:
-    from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, mixed_groups
+    from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, mixed_groups  # the old home re-exports them
 
     reward = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.5, 0.0, 1.0, 1.0, 7.0])
     group = torch.tensor([5, 5, 3, 3, 3, 9, 9, 2, 8])
     assert mixed_groups(reward, group) == ([3, 9], [5, 2, 8])
     with pytest.raises(ValueError, match="max_rounds"):
         DynamicSamplingConfig(enabled=True, max_rounds=-1)
+
+
+# -- configuration: the option, composed on top, and the deprecated callback ---------------------------
+
+
+def _instantiate(*configs: str):
+    """The objects LightningCLI builds from ``configs`` (nothing runs)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.module import GRPOModule
+
+    args = [a for c in configs for a in ("--config", c)]
+    return LightningCLI(GRPOModule, SearchQADataModule, args=args, run=False, trainer_defaults=TRAINER_DEFAULTS,
+                        save_config_callback=None, auto_configure_optimizers=False)
+
+
+def _rollout_after_setup(cli):
+    from lldslight.callbacks import SearchRollout
+
+    for cb in cli.trainer.callbacks:
+        if type(cb).__name__ in ("SearchRolloutOptions", "DynamicSampling"):
+            cb.setup(cli.trainer, cli.model, "fit")
+    return next(cb for cb in cli.trainer.callbacks if isinstance(cb, SearchRollout))
+
+
+def test_the_composed_config_sets_the_searchrollout_option_without_deprecation(monkeypatch) -> None:
+    from lldslight.dynamic_sampling import DynamicSamplingConfig
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lldslight"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = _instantiate("configs/tiny.yaml", "configs/dynamic_sampling.yaml")
+    assert not [w for w in caught if "DynamicSampling" in str(w.message)]  # the shipped config uses no deprecated name
+    assert _rollout_after_setup(cli).dynamic_sampling == DynamicSamplingConfig(enabled=True, max_rounds=4)
+
+
+def test_the_deprecated_callback_still_works_from_yaml_and_names_the_option(monkeypatch, tmp_path) -> None:
+    from lldslight.dynamic_sampling import DynamicSamplingConfig
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lldslight"])
+    old = tmp_path / "old.yaml"
+    old.write_text("trainer:\n  callbacks+:\n    - class_path: lldslight.callbacks.DynamicSampling\n      init_args: {max_rounds: 2}\n")
+    with pytest.warns(DeprecationWarning, match=r"DynamicSampling is deprecated: .*SearchRollout's option `dynamic_sampling"):
+        cli = _instantiate("configs/tiny.yaml", str(old))
+    assert _rollout_after_setup(cli).dynamic_sampling == DynamicSamplingConfig(enabled=True, max_rounds=2)
+
+
+def test_an_option_set_in_two_places_differently_is_refused(bm25) -> None:
+    from types import SimpleNamespace
+
+    from lldslight.callbacks import SearchRollout, SearchRolloutOptions
+    from lldslight.dynamic_sampling import DynamicSamplingConfig
+
+    own = SearchRollout(retriever=bm25, dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=2))
+    same = SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=2))
+    same.setup(SimpleNamespace(callbacks=[own, same]), None, "fit")  # the same value twice is fine
+    other = SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=4))
+    with pytest.raises(ValueError, match="set it in one place"):
+        other.setup(SimpleNamespace(callbacks=[own, other]), None, "fit")
+    with pytest.raises(ValueError, match="exactly one SearchRollout"):
+        other.setup(SimpleNamespace(callbacks=[other]), None, "fit")
 
 
 TWO_RANKS = """

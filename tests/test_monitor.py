@@ -42,7 +42,7 @@ def test_delta_matches_a_fresh_forward(run) -> None:
     rows = diag.correct_rows(traj.advantage, traj.reward).tolist()
     sub = traj.select(rows)
     with torch.no_grad():
-        after = module._batch_logprobs(sub, reference=False)
+        after = module.batch_logprobs(sub, reference=False)
     expected = diag.finish(diag.likelihood_delta(sub.old_logp, after, sub.loss_mask))
     assert monitor.last_metrics["lld/delta_correct"] == pytest.approx(expected, abs=1e-5)
     pos_tokens = traj.loss_mask & (traj.advantage > 0).unsqueeze(-1)
@@ -60,7 +60,7 @@ def test_gate_open_rate_and_tool_calls_match_a_hand_count(run) -> None:
     assert rows, "no A >= 0 row: the check would be vacuous"
     sub = traj.select(rows)
     with torch.no_grad():
-        after = module._batch_logprobs(sub, reference=False)
+        after = module.batch_logprobs(sub, reference=False)
     opened = actions = fell_rows = 0
     for b in range(len(sub)):
         per_action: dict[int, float] = {}

@@ -40,8 +40,8 @@ CONFIG = TINY_RUN_HEAD + """        reward: {reward}
 model:
   warmup_steps: 3
 """
-DYNAMIC = """    - class_path: lldslight.callbacks.DynamicSampling
-      init_args: {max_rounds: 3}
+DYNAMIC = """    - class_path: lldslight.callbacks.SearchRolloutOptions
+      init_args: {dynamic_sampling: {enabled: true, max_rounds: 3}}
 """
 
 

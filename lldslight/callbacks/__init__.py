@@ -7,10 +7,10 @@ from lldslight.callbacks.heal import Heal
 from lldslight.callbacks.llds import LLDS
 from lldslight.callbacks.monitor import LLDMonitor
 from lldslight.callbacks.probe import LLDProbe
-from lldslight.callbacks.rollout import SearchRollout
+from lldslight.callbacks.rollout import SearchRollout, SearchRolloutOptions
 from lldslight.callbacks.summary import RunSummary
 
 __all__ = [
-    "SearchRollout", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling",
+    "SearchRollout", "SearchRolloutOptions", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling",
     "CollapseAlarm", "AlarmEvent", "Heal", "LLDProbe",
 ]

@@ -199,7 +199,7 @@ class Heal(pl.Callback):
         """The run's state now (between two steps), as a detached copy."""
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
         scheduler = self._scheduler(trainer)
-        rng = getattr(pl_module, "_rng_after_step", None)
+        rng = pl_module.rng_after_step
         state: dict[str, Any] = {
             "params": [p.detach().clone() for p in pl_module.trainable_parameters()],
             "optimizer": copy.deepcopy(optimizer.state_dict()),
@@ -271,7 +271,7 @@ class Heal(pl.Callback):
         optimizer.load_state_dict(copy.deepcopy(data["optimizer"]))
         if scheduler is not None and data["scheduler"] is not None:
             scheduler.load_state_dict(copy.deepcopy(data["scheduler"]))  # keeps the lambdas in force (a held rate stays held)
-        pl_module._rng_after_step = copy.deepcopy(data["rng"])
+        pl_module.rng_after_step = copy.deepcopy(data["rng"])
         restore_rng(data["rng"])
         if self._monitor is not None and "monitor" in data:
             self._monitor.detector.load_state_dict(copy.deepcopy(data["monitor"]))
@@ -313,8 +313,8 @@ class Heal(pl.Callback):
             "param_lrs": [float(g["lr"]) for g in optimizer.param_groups],
             "base_lrs": [float(b) for b in scheduler.base_lrs] if scheduler is not None else None,
             "llds_coef": float(self._llds.coef) if self._llds is not None else None,
-            "updates_per_rollout": int(pl_module.hparams.updates_per_rollout),
-            "kl_coef": float(pl_module.hparams.kl_coef),
+            "updates_per_rollout": int(pl_module.update_config.updates_per_rollout),
+            "kl_coef": float(pl_module.update_config.kl_coef),
         }
 
     def _describe(self, before: dict, after: dict) -> str:
@@ -328,7 +328,6 @@ class Heal(pl.Callback):
     def _remedy(self, trainer, pl_module, optimizer, scheduler, before: dict[str, Any]) -> None:
         """Change the dynamics, relative to ``before`` (the values in force at the alarm), and
         record the absolute values in ``applied`` (re-applied on resume)."""
-        hp = pl_module.hparams
         applied = self.applied
         if self.lr_factor is not None or self.end_warmup:
             factor = self.lr_factor if self.lr_factor is not None else 1.0
@@ -371,9 +370,9 @@ class Heal(pl.Callback):
         if "llds_coef" in applied and self._llds is not None:
             self._llds.coef = float(applied["llds_coef"])
         if "updates_per_rollout" in applied:
-            pl_module.hparams.updates_per_rollout = int(applied["updates_per_rollout"])
+            pl_module.reconfigure_update(updates_per_rollout=int(applied["updates_per_rollout"]))
         if "kl_coef" in applied:
-            pl_module.hparams.kl_coef = float(applied["kl_coef"])
+            pl_module.reconfigure_update(kl_coef=float(applied["kl_coef"]))
             self._anchor(pl_module, create=create_anchor)
 
     def _anchor(self, pl_module, create: bool) -> None:

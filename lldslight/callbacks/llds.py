@@ -94,7 +94,7 @@ class LLDS(pl.Callback):
         pl_module.add_loss_term("llds", self.loss_term)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        updates = int(pl_module.hparams.get("updates_per_rollout", 1))
+        updates = pl_module.update_config.updates_per_rollout
         if updates == 1:
             rank_zero_warn(
                 "LLDS is on but model.updates_per_rollout=1: every update is on-policy, so L_LLDS is "

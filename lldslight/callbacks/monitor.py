@@ -97,7 +97,7 @@ class LLDMonitor(pl.Callback):
     # -- per step ------------------------------------------------------------------------------------
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        traj = getattr(pl_module, "last_rollout", None)
+        traj = pl_module.last_rollout
         if traj is None or traj.old_logp is None or traj.advantage is None:
             return
         t0 = time.perf_counter()
@@ -111,7 +111,7 @@ class LLDMonitor(pl.Callback):
             stats.update(self._after_step(trainer, pl_module, traj))
         metrics = {k: diag.finish(v) for k, v in self._reduce(trainer, stats).items()}
 
-        step_metrics = getattr(pl_module, "last_step_metrics", {})
+        step_metrics = pl_module.last_step_metrics
         value = metrics.get(self.signal, step_metrics.get(self.signal))
         if value is None:
             raise KeyError(f"LLDMonitor.signal={self.signal!r} is not a logged metric; try 'lld/logp_pos'")
@@ -163,7 +163,7 @@ class LLDMonitor(pl.Callback):
                 out.update({k: (0.0, 0.0) for k in ("lld/gate_open_actions", "lld/gate_open_responses")})
             return out
         sub = traj.select(rows)
-        after = pl_module._batch_logprobs(sub, reference=False)
+        after = pl_module.batch_logprobs(sub, reference=False)
 
         def tokens_of(members: set[int]):
             keep = torch.tensor([i < n and r in members for i, r in enumerate(rows)], device=sub.loss_mask.device)

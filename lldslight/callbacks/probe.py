@@ -71,9 +71,7 @@ class LLDProbe(pl.Callback):
 
     @torch.no_grad()
     def _logp(self, module, traj) -> torch.Tensor:
-        from lldslight.update import batch_logprobs
-
-        return batch_logprobs(module, traj)
+        return module.batch_logprobs(traj)
 
     def probe(self, module, engine, examples) -> dict:
         """One probe from the module's current weights; everything restored afterwards."""
@@ -84,8 +82,8 @@ class LLDProbe(pl.Callback):
         try:
             torch.manual_seed(self.seed)
             traj = engine.generate(module.policy, examples, group_size=self.group_size)
-            hp = module.hparams
-            adv = obj.group_advantages(traj.reward, traj.group_id, normalize_std=hp.normalize_adv_std).to(traj.input_ids.device)
+            cfg = module.update_config
+            adv = obj.group_advantages(traj.reward, traj.group_id, normalize_std=cfg.normalize_adv_std).to(traj.input_ids.device)
             mixed = [g for g in torch.unique(traj.group_id).tolist()
                      if bool((adv[traj.group_id == g] > 0).any()) and bool((adv[traj.group_id == g] < 0).any())]
             out = {"mixed_groups": len(mixed), "reward": float(traj.reward.mean())}
@@ -99,10 +97,10 @@ class LLDProbe(pl.Callback):
                 p.grad = None
             # The on-policy GRPO gradient: ratio 1, so the clipped surrogate's gradient is -A grad log pi.
             mask = sub.loss_mask
-            n = float(mask.any(-1).sum()) if hp.aggregation == "seq-mean-token-mean" else float(mask.sum())
+            n = float(mask.any(-1).sum()) if cfg.aggregation == "seq-mean-token-mean" else float(mask.sum())
             logp, _ = module.logprobs(sub)
             pg, _, _ = obj.clipped_surrogate(logp, before.to(logp.dtype), sub.advantage.to(logp.dtype))
-            obj.aggregate(pg, mask, hp.aggregation, max(n, 1.0)).backward()
+            obj.aggregate(pg, mask, cfg.aggregation, max(n, 1.0)).backward()
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
             with torch.no_grad():
                 for p in params:

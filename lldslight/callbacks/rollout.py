@@ -1,4 +1,6 @@
-"""SearchRollout: samples search-augmented trajectories before every training and eval step."""
+"""SearchRollout: samples search-augmented trajectories before every training and eval step and
+hands them to the module (``GRPOModule.receive_rollout``); SearchRolloutOptions: sets its options
+from a config composed after the one that defines it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lldslight import evaluation
-from lldslight.callbacks.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
+from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
@@ -34,9 +36,12 @@ class SearchRollout(pl.Callback):
         eval_before_fit: evaluate the val split greedily before the first step (the "before" EM;
             skipped when a run resumes from a checkpoint, whose weights are already trained).
         eval_after_fit: evaluate the val split again when training ends (the "after" EM).
-        dynamic_sampling: keep only groups whose rewards differ and sample further prompts until the
-            batch is full of them (DAPO, arXiv 2503.14476; lldslight/callbacks/dynamic_sampling.py).
-            Off by default and in the paper recipes.
+        dynamic_sampling: ``{enabled: true, max_rounds: N}`` keeps only groups whose rewards differ
+            and samples further prompts (the datamodule's ``refill_prompts``) until the batch is full
+            of them, at most N extra rounds per step (DAPO, arXiv 2503.14476;
+            lldslight/dynamic_sampling.py). Off by default and in the paper recipes. From a config
+            composed on top of the one that defines this callback, append ``SearchRolloutOptions``
+            (configs/dynamic_sampling.yaml).
     """
 
     def __init__(
@@ -83,10 +88,9 @@ class SearchRollout(pl.Callback):
         if stage == "fit":
             require(self.config.group_size >= 2, "rollout.group_size", ">= 2 for training", self.config.group_size,
                     "GRPO's advantage is a reward minus its group's mean, so a group of one has advantage 0")
-            hp = getattr(pl_module, "hparams", None)
-            updates = hp.get("updates_per_rollout") if hasattr(hp, "get") else None
+            updates = pl_module.update_config.updates_per_rollout
             batch = getattr(trainer.datamodule, "batch_size", None)
-            if isinstance(updates, int) and isinstance(batch, int):
+            if isinstance(batch, int):
                 # Known only here (data.batch_size x rollout.group_size): more mini-batches than rows
                 # would leave some empty, and those updates would silently not happen.
                 rows = batch * self.config.group_size
@@ -95,8 +99,7 @@ class SearchRollout(pl.Callback):
                         f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
         # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
         check_retriever(self.retriever, self.config.topk)
-        hp = getattr(pl_module, "hparams", {})
-        temp = hp.get("logprob_temperature", 1.0) if hasattr(hp, "get") else 1.0
+        temp = pl_module.logprob_temperature
         if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
             pl.utilities.rank_zero_warn(
                 f"rollout.temperature={self.config.temperature} but model.logprob_temperature={temp}: "
@@ -104,7 +107,7 @@ class SearchRollout(pl.Callback):
             )
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        # Here, not in setup: the DynamicSampling callback turns the option on in its own setup.
+        # Here, not in setup: SearchRolloutOptions may turn the option on in its own setup.
         if not self.dynamic_sampling.enabled:
             return
         datamodule = trainer.datamodule
@@ -124,9 +127,7 @@ class SearchRollout(pl.Callback):
         else:
             traj = engine.generate(pl_module.policy, batch)
             retrieval_s = engine.stats.get("retrieval_s", 0.0)
-        pl_module.timings["rollout_s"] = time.perf_counter() - t0
-        pl_module.timings["retrieval_s"] = retrieval_s
-        pl_module.rollout_batch = traj
+        pl_module.receive_rollout(traj, "train", timings={"rollout_s": time.perf_counter() - t0, "retrieval_s": retrieval_s})
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
             pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
                           on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
@@ -137,7 +138,7 @@ class SearchRollout(pl.Callback):
                           reduce_fx="max", batch_size=len(batch), sync_dist=trainer.world_size > 1)
 
     def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
-        """Dynamic sampling (lldslight/callbacks/dynamic_sampling.py): the trajectory and the
+        """Dynamic sampling (lldslight/dynamic_sampling.py): the trajectory and the
         retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
         datamodule = trainer.datamodule
         retrieval = [0.0]
@@ -172,7 +173,7 @@ class SearchRollout(pl.Callback):
 
     def _eval_batch(self, pl_module, batch: Any) -> None:
         _, engine = self._engines(pl_module)
-        pl_module.eval_batch = engine.generate(pl_module.policy, batch)
+        pl_module.receive_rollout(engine.generate(pl_module.policy, batch), "eval")
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         self._eval_batch(pl_module, batch)
@@ -217,11 +218,39 @@ class SearchRollout(pl.Callback):
         if result is None:
             return
         summary = result["summary"]
-        history = getattr(pl_module, "eval_history", {})
-        history[when] = summary
-        pl_module.eval_history = history
+        pl_module.eval_history[when] = summary  # RunSummary reads it
         for logger in trainer.loggers:
             logger.log_metrics(evaluation.flat_metrics(summary, f"val_{when}"), step=trainer.global_step)
         if trainer.is_global_zero:
             o = summary["overall"]
             print(f"[lldslight] dev {when} training: EM {o['em']:.3f}  F1 {o['f1']:.3f}  searches/q {o['searches']:.2f}  answered {o['answered']:.2f}  (n={o['n']})")
+
+
+class SearchRolloutOptions(pl.Callback):
+    """Sets options of the run's SearchRollout from a config composed after the one that defines it:
+    a second config cannot edit one entry of ``trainer.callbacks``, but it can append one
+    (``configs/dynamic_sampling.yaml`` appends this). Each argument is the SearchRollout argument of
+    the same name; None leaves the SearchRollout's own value. Found by class: exactly one
+    SearchRollout must be in ``trainer.callbacks``, and dynamic sampling it already turns on with
+    other settings is refused rather than silently overridden.
+
+    Args:
+        dynamic_sampling: SearchRollout's ``dynamic_sampling``, e.g. ``{enabled: true, max_rounds: 4}``.
+    """
+
+    def __init__(self, dynamic_sampling: Optional[DynamicSamplingConfig] = None) -> None:
+        self.dynamic_sampling = dynamic_sampling
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        rollouts = [cb for cb in trainer.callbacks if isinstance(cb, SearchRollout)]
+        if len(rollouts) != 1:
+            raise ConfigError(f"{type(self).__name__} needs exactly one SearchRollout in trainer.callbacks, found {len(rollouts)}")
+        rollout = rollouts[0]
+        if self.dynamic_sampling is not None:
+            current = rollout.dynamic_sampling
+            if current.enabled and current != self.dynamic_sampling:
+                raise ConfigError(
+                    f"{type(self).__name__}(dynamic_sampling={self.dynamic_sampling}) conflicts with the SearchRollout's own "
+                    f"dynamic_sampling={current}: set it in one place"
+                )
+            rollout.dynamic_sampling = self.dynamic_sampling
