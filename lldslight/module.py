@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor
 from lldslight import evaluation
 from lldslight import objectives as obj
 from lldslight import update
-from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, reduce_over_ranks, shard_policy, through_root
 from lldslight.errors import require
-from lldslight.checkpointing import activation_budget
+from lldslight.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy

@@ -86,7 +86,7 @@ class PolicyConfig:
         lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
         gradient_checkpointing: recompute each decoder layer's activations in the backward to save
             memory (True), keep them all (False), or "auto": keep those of as many layers as fit in
-            ``activation_budget_mb`` per micro-batch and checkpoint the rest (lldslight/checkpointing.py);
+            ``activation_budget_mb`` per micro-batch and checkpoint the rest (lldslight/activation_checkpointing.py);
             a micro-batch that fits is not recomputed at all. Same gradients either way.
         activation_budget_mb: activations a forward with gradients may keep, in MiB, under "auto"
             (weights, optimiser state and the vocabulary chunks come on top).
