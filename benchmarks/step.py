@@ -29,9 +29,9 @@ flagged busy and repeated (``--no-repeat`` keeps it). Reported per side: medians
 
 lldslight runs twice per round: "lldslight" checkpoints every decoder layer, as TRL does (the like-
 for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient_checkpointing:
-auto`` (layers keep their activations while they fit in ``--activation-budget-mb``; lldslight/
-checkpointing.py), which trades that much memory for less recompute (``step_time_ratio_auto``).
-``--lldslight-checkpointing on`` runs the first only. lldslight's workers run with the malloc
+auto`` (layers keep their activations while they fit in ``--activation-budget-mb``;
+lldslight/activation_checkpointing.py), which trades that much memory for less recompute
+(``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. lldslight's workers run with the malloc
 tunables the ``lldslight`` command sets for itself (lldslight/hostmem.py); TRL's with glibc's
 defaults, or with the same tunables under ``--malloc same`` (a like-for-like allocator check).
 

@@ -452,7 +452,8 @@ def _as_columns(data: Any) -> dict[str, list[float]]:
     columns = {str(k): [_cell(v) for v in values] for k, values in dict(data).items()}
     lengths = {len(v) for v in columns.values()}
     if len(lengths) > 1:
-        raise ValueError(f"replay_alarm: columns of different lengths {sorted(lengths)}")
+        require(False, "replay_alarm's columns", "of one length", sorted(lengths),
+                ", ".join(f"{k} has {len(v)}" for k, v in columns.items()))
     if "step" not in columns:
         columns["step"] = [float(i) for i in range(lengths.pop() if lengths else 0)]
     return columns

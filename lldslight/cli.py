@@ -61,7 +61,7 @@ def _cli_class():
     from jsonargparse import ActionConfigFile
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.checkpoint import resolve_last_checkpoint
+    from lldslight.checkpoint_io import resolve_last_checkpoint
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.errors import UserError
     from lldslight.module import GRPOModule
@@ -319,7 +319,7 @@ TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     # Crash-safe checkpoint writes (temp file, fsync, rename): a kill never leaves a corrupt last.ckpt.
-    "plugins": [{"class_path": "lldslight.checkpoint.AtomicCheckpointIO"}],
+    "plugins": [{"class_path": "lldslight.checkpoint_io.AtomicCheckpointIO"}],
 }
 
 

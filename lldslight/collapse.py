@@ -38,11 +38,12 @@ import math
 import random
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Literal, Mapping, Optional, Sequence
 
-from lldslight.errors import require
+from lldslight.errors import require, require_choice
 
 Series = Sequence[float]
+Alternative = Literal["greater", "two-sided"]
 
 
 @dataclass(frozen=True)
@@ -267,10 +268,10 @@ def sign_test(pairs: Sequence[tuple[float, float]]) -> dict:
     return {"wins": wins, "losses": losses, "ties": len(pairs) - n, "p": p}
 
 
-def paired_permutation(a: Sequence[float], b: Sequence[float], alternative: str = "greater") -> dict:
+def paired_permutation(a: Sequence[float], b: Sequence[float], alternative: Alternative = "greater") -> dict:
     """Exact paired permutation (sign-flip) test of mean(b - a) > 0 ("greater") or two-sided."""
     require(len(a) == len(b) and len(a) > 0, "paired_permutation", "two non-empty series of equal length", (len(a), len(b)))
-    require(alternative in ("greater", "two-sided"), "paired_permutation.alternative", "'greater' or 'two-sided'", alternative)
+    require_choice(alternative, "paired_permutation.alternative", Alternative)
     diffs = [y - x for x, y in zip(a, b)]
     observed = sum(diffs) / len(diffs)
     count, total = 0, 0

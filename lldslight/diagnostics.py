@@ -18,6 +18,7 @@ from typing import Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lldslight.errors import require, require_choice
 from lldslight.objectives import action_sums
 
 SumCount = tuple[float, float]
@@ -92,12 +93,8 @@ def correct_rows(advantage: Tensor, reward: Tensor, rule: CorrectSet = "positive
     Delta there is LLD by definition. "reward": reward > 0 (every correct response, including those
     of all-correct groups, which get A = 0 and only see other responses' gradients).
     """
-    if rule == "positive_advantage":
-        keep = advantage > 0
-    elif rule == "reward":
-        keep = reward > 0
-    else:
-        raise ValueError(f"unknown correct-set rule {rule!r}: use 'positive_advantage' or 'reward'")
+    require_choice(rule, "correct-set rule (LLDMonitor.correct_set)", CorrectSet)
+    keep = advantage > 0 if rule == "positive_advantage" else reward > 0
     return keep.nonzero(as_tuple=True)[0]
 
 
@@ -267,18 +264,13 @@ class PhaseConfig:
     patience: int = 4
 
     def __post_init__(self) -> None:
-        if not 0 < self.ema_alpha <= 1:
-            raise ValueError(f"PhaseConfig.ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        if self.window < 3 or self.jump_window < 1 or self.patience < 1:
-            raise ValueError(
-                f"PhaseConfig: window ({self.window}) must be >= 3, jump_window ({self.jump_window}) "
-                f"and patience ({self.patience}) >= 1"
-            )
-        if self.decay_slope <= 0 or self.accel_factor <= 1 or self.min_t < 0:
-            raise ValueError(
-                f"PhaseConfig: decay_slope ({self.decay_slope}) must be > 0, accel_factor ({self.accel_factor}) > 1 "
-                f"and min_t ({self.min_t}) >= 0"
-            )
+        require(0 < self.ema_alpha <= 1, "PhaseConfig.ema_alpha", "in (0, 1]", self.ema_alpha)
+        require(self.window >= 3, "PhaseConfig.window", ">= 3", self.window)
+        require(self.jump_window >= 1, "PhaseConfig.jump_window", ">= 1", self.jump_window)
+        require(self.patience >= 1, "PhaseConfig.patience", ">= 1", self.patience)
+        require(self.decay_slope > 0, "PhaseConfig.decay_slope", "> 0", self.decay_slope)
+        require(self.accel_factor > 1, "PhaseConfig.accel_factor", "> 1", self.accel_factor)
+        require(self.min_t >= 0, "PhaseConfig.min_t", ">= 0", self.min_t)
 
 
 @dataclass

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lldslight.errors import require
 from lldslight.policy import causal_lm
 
 T = TypeVar("T")
@@ -84,13 +85,11 @@ def shard_policy(model: nn.Module, mesh: Any, config: FSDPConfig) -> nn.Module:
     """Apply FSDP2 in place: one unit per decoder layer, then the root. Returns ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if getattr(getattr(causal_lm(model), "config", None), "quantization_config", None) is not None or getattr(
+    quantized = getattr(getattr(causal_lm(model), "config", None), "quantization_config", None) is not None or getattr(
         causal_lm(model), "is_loaded_in_4bit", False
-    ):
-        raise ValueError(
-            "policy.quantization (QLoRA) cannot be sharded with FSDP2 here: bitsandbytes' packed 4-bit "
-            "weights are not DTensors. Use trainer.strategy: ddp (each GPU holds the whole 4-bit model)."
-        )
+    )
+    require(not quantized, "trainer.strategy", "ddp with policy.quantization (QLoRA; each GPU holds the whole "
+            "4-bit model)", "FSDP2", "bitsandbytes' packed 4-bit weights are not DTensors, so FSDP2 cannot shard them")
     mp = MixedPrecisionPolicy(
         param_dtype=_DTYPES[config.param_dtype] if config.param_dtype else None,
         reduce_dtype=_DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
@@ -235,23 +234,16 @@ def data_parallel_mesh(mesh: Any, micro_batch_tokens: Optional[int], optimizer: 
     if mesh is None:
         return None
     names = mesh.mesh_dim_names or ()
-    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-        raise ValueError(
-            f"ModelParallelStrategy gave tensor_parallel_size={mesh['tensor_parallel'].size()}: lldslight "
-            "shards with FSDP2 over data parallelism only. Use lldslight.distributed.FSDP2Strategy, or set "
-            "data_parallel_size to the number of processes and tensor_parallel_size: 1."
-        )
-    if micro_batch_tokens:
-        raise ValueError(
-            "model.micro_batch_tokens packs each process's rows on its own, and under FSDP2 every forward "
-            "is a collective that needs the same number of micro-batches on every rank: use "
-            "model.micro_batch_size under FSDP2 (packing works under strategy: ddp)"
-        )
-    if optimizer == "adamw8bit":
-        raise ValueError(
-            "model.optimizer: adamw8bit (bitsandbytes) cannot step FSDP2's sharded DTensor parameters; "
-            "use optimizer: adamw under FSDP2, or strategy: ddp for 8-bit AdamW"
-        )
+    tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+    require(tp <= 1, "ModelParallelStrategy.tensor_parallel_size", "1 (lldslight shards with FSDP2 over data "
+            "parallelism only)", tp, "use lldslight.distributed.FSDP2Strategy, or set data_parallel_size to the "
+            "number of processes and tensor_parallel_size: 1")
+    require(not micro_batch_tokens, "model.micro_batch_tokens", "null under FSDP2 (use "
+            "model.micro_batch_size; packing works under strategy: ddp)", micro_batch_tokens,
+            "it packs each process's rows on its own, and under FSDP2 every forward is a collective that needs "
+            "the same number of micro-batches on every rank")
+    require(optimizer != "adamw8bit", "model.optimizer", "adamw under FSDP2 (or strategy: ddp "
+            "for 8-bit AdamW)", optimizer, "bitsandbytes cannot step FSDP2's sharded DTensor parameters")
     return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
@@ -259,13 +251,10 @@ def fsdp2_strategy_check(strategy: Any) -> None:
     """Refuse strategies whose sharding lldslight cannot drive correctly (see the module docstring)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
-            "trainer.strategy: FSDPStrategy (FSDP1) is not supported: lldslight calls the decoder and "
-            "LM head directly and decodes a different number of tokens on each rank, which it arranges for "
-            "FSDP2 only (lldslight/distributed.py). Use class_path lldslight.distributed.FSDP2Strategy "
-            "(FSDP2 through Lightning's ModelParallelStrategy) or strategy: ddp."
-        )
+    require(not isinstance(strategy, FSDPStrategy), "trainer.strategy", "class_path lldslight.distributed."
+            "FSDP2Strategy (FSDP2 through Lightning's ModelParallelStrategy) or ddp", type(strategy).__name__,
+            "FSDP1 is not supported: lldslight calls the decoder and LM head directly and decodes a different "
+            "number of tokens on each rank, which it arranges for FSDP2 only (lldslight/distributed.py)")
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lldslight.data.example import QAExample
 from lldslight.distributed import all_ranks_agree, all_ranks_min
+from lldslight.errors import require
 from lldslight.trajectory import Trajectory
 
 
@@ -48,8 +49,7 @@ class DynamicSamplingConfig:
     max_rounds: int = 4
 
     def __post_init__(self) -> None:
-        if self.max_rounds < 0:
-            raise ValueError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
+        require(self.max_rounds >= 0, "dynamic_sampling.max_rounds", ">= 0", self.max_rounds)
 
 
 def mixed_groups(reward: Tensor, group_id: Tensor) -> tuple[list[int], list[int]]:

@@ -8,6 +8,8 @@ PlotInputError, ...) derive from :class:`UserError`; so can yours.
 from __future__ import annotations
 
 import argparse
+import typing
+from typing import Any
 
 
 class UserError(Exception):
@@ -30,6 +32,26 @@ def require(ok: bool, key: str, allowed: str, value: object, why: str = "") -> N
     """Raise ``ConfigError("<key> must be <allowed>, got <value>[: why]")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key} must be {allowed}, got {value!r}" + (f": {why}" if why else ""))
+
+
+def choices(options: Any) -> tuple:
+    """The values of a ``Literal[...]`` type (or of any iterable): the one definition of a choice
+    set, for signatures (jsonargparse checks them) and for :func:`require_choice` alike."""
+    return typing.get_args(options) or tuple(options)
+
+
+def one_of(options: Any) -> str:
+    """``'a', 'b' or 'c'``: a choice set as the ``allowed`` text of :func:`require`."""
+    shown = [repr(o) for o in choices(options)]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def require_choice(value: object, key: str, options: Any, why: str = "") -> None:
+    """``require(value in options, key, "'a', 'b' or 'c'", value, why)`` for a ``Literal`` type or an
+    iterable of choices."""
+    allowed = choices(options)
+    if value not in allowed:
+        require(False, key, one_of(allowed), value, why)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor
 from lldslight import evaluation
 from lldslight import objectives as obj
 from lldslight import update
-from lldslight.checkpoint import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import (
     FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, gradient_sync, reduce_over_ranks, shard_policy, through_root,
 )
 from lldslight.errors import require
-from lldslight.checkpointing import activation_budget
+from lldslight.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy
@@ -366,7 +366,7 @@ class GRPOModule(pl.LightningModule):
         self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
         self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 
-    # -- checkpoints (lldslight/checkpoint.py) ----------------------------------------------------
+    # -- checkpoints (lldslight/checkpoint_io.py) ----------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}

@@ -15,12 +15,16 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lldslight.errors import require_choice
+
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k3"]
 LLDSGate = Literal["action", "response", "token"]
 LLDSNormaliser = Literal["preserving", "all"]
 BetaRule = Literal["paper", "official"]
 NegativeAdvantages = Literal["keep", "drop", "unshared"]
+# Each choice set is defined once, here: the signatures of GRPOModule and the LLDS callback use
+# these types, and the functions below check their argument against them (errors.require_choice).
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -103,15 +107,14 @@ def policy_gradient_weight(advantage: Tensor, mask: Tensor, mode: NegativeAdvant
     negative gradients necessary for the collapse?); "unshared": A < 0 tokens inside a shared
     prefix (``shared_prefix_negatives``) get weight 0. The normalisers are unchanged: a zeroed
     token still counts in its row's and the mini-batch's totals, so only the gradient changes."""
+    require_choice(mode, "model.negative_advantages", NegativeAdvantages)
     if mode == "keep":
         return None
     if mode == "drop":
         return (advantage >= 0).to(torch.float32).unsqueeze(-1).expand(mask.shape)
-    if mode == "unshared":
-        if shared_prefix is None:
-            raise ValueError("policy_gradient_weight('unshared') needs the shared-prefix mask")
-        return (~shared_prefix).to(torch.float32)
-    raise ValueError(f"unknown negative_advantages {mode!r}: use 'keep', 'drop' or 'unshared'")
+    if shared_prefix is None:  # the caller's contract (update.py passes it), not a setting: a bug
+        raise ValueError("policy_gradient_weight('unshared') needs the shared-prefix mask")
+    return (~shared_prefix).to(torch.float32)
 
 
 def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation, normaliser: float | Tensor) -> Tensor:
@@ -121,13 +124,12 @@ def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation, normaliser: float |
     ``normaliser`` = the mini-batch's responses that have model tokens. token-mean (official
     code): the token sum divided by ``normaliser`` = the mini-batch's model tokens.
     """
+    require_choice(mode, "model.aggregation", Aggregation)
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         total = (loss * mask).sum()
-    elif mode == "seq-mean-token-mean":
+    else:  # seq-mean-token-mean
         total = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()  # a row without tokens adds 0
-    else:
-        raise ValueError(f"unknown aggregation {mode!r}: use 'token-mean' or 'seq-mean-token-mean'")
     return total / max(float(normaliser), 1.0)
 
 
@@ -136,12 +138,11 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
 
     k1: logp - ref. k3 ("low_var_kl"): exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
     """
+    require_choice(estimator, "model.kl_estimator", KLEstimator)
     if estimator == "k1":
         return logp - ref_logp
-    if estimator == "k3":
-        log_ratio = ref_logp - logp
-        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r}: use 'k1' or 'k3'")
+    log_ratio = ref_logp - logp  # k3
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
 def answer_weight_beta(
@@ -154,14 +155,13 @@ def answer_weight_beta(
     beta = min(answer_coef * max(V-1, 0), coef) / coef; ``answer_coef`` defaults to ``coef``,
     which gives clip(V-1, 0, 1).
     """
+    require_choice(rule, "answer_weight_beta rule (LLDS.answer_masking)", BetaRule)
     if rule == "paper":
         return min(mean_valid_searches / 2.0, 1.0)
-    if rule == "official":
-        lam_answer = coef if answer_coef is None else answer_coef
-        if coef <= 0:
-            return 1.0  # lambda = 0: the term is off and its answer weight moot
-        return min(lam_answer * max(mean_valid_searches - 1.0, 0.0), coef) / coef
-    raise ValueError(f"unknown answer-weight rule {rule!r}: use 'paper' or 'official'")
+    lam_answer = coef if answer_coef is None else answer_coef  # official
+    if coef <= 0:
+        return 1.0  # lambda = 0: the term is off and its answer weight moot
+    return min(lam_answer * max(mean_valid_searches - 1.0, 0.0), coef) / coef
 
 
 def action_sums(values: Tensor, action_id: Tensor) -> Tensor:
@@ -199,6 +199,7 @@ def llds_penalty(
         active_tokens: contributing tokens (gated in, d > 0, weight > 0);
         preserving_tokens: model tokens of P.
     """
+    require_choice(gate, "LLDS.gate", LLDSGate)
     model_tok = mask.bool()
     preserving = model_tok & (advantage >= 0).unsqueeze(-1)
     d = (old_logp - logp).masked_fill(~preserving, 0.0)
@@ -208,10 +209,8 @@ def llds_penalty(
         open_gate = preserving
     elif gate == "response":
         open_gate = preserving & (d_sum_source.sum(-1, keepdim=True) > 0)
-    elif gate == "action":
+    else:  # action
         open_gate = preserving & (action_sums(d_sum_source, action_id).gather(1, action_id.clamp(min=0)) > 0)
-    else:
-        raise ValueError(f"unknown LLDS gate {gate!r}: use 'action', 'response' or 'token'")
 
     contribution = torch.relu(d) * open_gate
     active = open_gate & (d_sum_source > 0)

@@ -23,7 +23,7 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import nn
 
-from lldslight.errors import ConfigError, UserError, require
+from lldslight.errors import ConfigError, UserError, choices, require
 
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
@@ -36,7 +36,8 @@ DEMO_MODELS = {
 }
 DType = Literal["float32", "bfloat16", "float16", "auto"]
 Precision = Literal["auto", "fp32", "bf16-mixed", "bf16-true"]
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true")
+Quantization = Literal["nf4", "int8"]
+PRECISIONS = choices(Precision)
 
 
 class PolicyLoadError(UserError, RuntimeError):
@@ -86,7 +87,7 @@ class PolicyConfig:
         lora: LoRA settings; None trains every weight and keeps a separate frozen reference copy.
         gradient_checkpointing: recompute each decoder layer's activations in the backward to save
             memory (True), keep them all (False), or "auto": keep those of as many layers as fit in
-            ``activation_budget_mb`` per micro-batch and checkpoint the rest (lldslight/checkpointing.py);
+            ``activation_budget_mb`` per micro-batch and checkpoint the rest (lldslight/activation_checkpointing.py);
             a micro-batch that fits is not recomputed at all. Same gradients either way.
         activation_budget_mb: activations a forward with gradients may keep, in MiB, under "auto"
             (weights, optimiser state and the vocabulary chunks come on top).
@@ -111,7 +112,7 @@ class PolicyConfig:
     activation_budget_mb: float = 256.0
     random_init: Optional[dict[str, Union[int, float, str]]] = None
     init_seed: int = 0
-    quantization: Optional[Literal["nf4", "int8"]] = None
+    quantization: Optional[Quantization] = None
     attn_implementation: Optional[str] = "sdpa"
 
     def __post_init__(self) -> None:
@@ -119,19 +120,15 @@ class PolicyConfig:
         if self.quantization is not None:
             require(self.precision != "bf16-true", "policy.precision", "'auto', 'fp32' or 'bf16-mixed' with policy.quantization",
                     self.precision, "peft keeps a quantized model's adapter, norms and head in fp32")
-        if self.gradient_checkpointing not in (True, False, "auto"):
-            raise ValueError(f"policy.gradient_checkpointing must be true, false or 'auto', got {self.gradient_checkpointing!r}")
-        if not self.activation_budget_mb >= 0:
-            raise ValueError(f"policy.activation_budget_mb must be >= 0, got {self.activation_budget_mb!r}")
+        require(self.gradient_checkpointing in (True, False, "auto"), "policy.gradient_checkpointing",
+                "true, false or 'auto'", self.gradient_checkpointing)
+        require(self.activation_budget_mb >= 0, "policy.activation_budget_mb", ">= 0", self.activation_budget_mb)
         if self.quantization is None:
             return
-        if self.quantization not in ("nf4", "int8"):
-            raise ValueError(f"policy.quantization must be 'nf4', 'int8' or null, got {self.quantization!r}")
-        if self.lora is None:
-            raise ValueError(
-                f"policy.quantization={self.quantization!r} needs policy.lora: quantized base weights cannot be "
-                "trained, QLoRA trains a LoRA adapter on top of them"
-            )
+        require(self.quantization in choices(Quantization), "policy.quantization",
+                ", ".join(map(repr, choices(Quantization))) + " or null", self.quantization)
+        require(self.lora is not None, "policy.lora", f"a LoRA config with policy.quantization={self.quantization!r}",
+                self.lora, "quantized base weights cannot be trained, QLoRA trains a LoRA adapter on top of them")
 
 
 def cache_root() -> Path:

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 
 from lldslight.data.example import QAExample
-from lldslight.errors import ArgumentParser
+from lldslight.errors import ArgumentParser, ConfigError
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_dtype, save_merged
 from lldslight.retrieval.base import Retriever
@@ -194,8 +194,8 @@ def warm_start(
     pl.seed_everything(seed, verbose=False)
     module = SFTModule(policy, lr=lr)
     rows, stats = build_gold_set(examples, retriever, module.tokenizer, gold)
-    if not rows:
-        raise ValueError(
+    if not rows:  # not one value out of range: the data and max_searches together give nothing to train on
+        raise ConfigError(
             f"sft: none of {stats['examples']} examples gave a usable gold trajectory "
             f"({stats['too_many_searches']} need more than max_searches={gold.max_searches} searches, "
             f"{stats['answer_not_retrieved']} had no gold answer in the retrieved passages)"

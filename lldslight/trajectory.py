@@ -74,6 +74,8 @@ class Trajectory:
         """The rows of ``parts`` one after the other, right-padded to the widest (padding: attention
         and loss masks 0, action_id -1, everything else 0). Optional tensors must be set in all parts
         or in none; per-row extras are concatenated, others taken from the first part."""
+        # ValueError, not require()/ConfigError, in concat and check: no setting can cause these, they
+        # are bugs in the code that built the parts (the rollout, a test), and keep their traceback.
         if not parts:
             raise ValueError("Trajectory.concat needs at least one part")
         width = max(p.input_ids.shape[1] for p in parts)
@@ -107,7 +109,8 @@ class Trajectory:
         return self
 
     def check(self) -> None:
-        """Raise if the invariants of the contract do not hold (used by tests and debug runs)."""
+        """Raise if the invariants of the contract do not hold (used by tests and debug runs).
+        A ValueError (see ``concat``): a broken invariant is a bug in the code that built the batch."""
         B, T = self.input_ids.shape
         for name in ("attention_mask", "loss_mask", "action_id", "answer_mask"):
             if getattr(self, name).shape != (B, T):

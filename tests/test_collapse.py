@@ -54,6 +54,26 @@ def test_explosions_like_with_like_and_zero_gradients_ignored():
     # With the zeros counted the median would be 0 and every step a spike: the bug this avoids.
 
 
+def test_explosion_settings_are_the_guards():
+    """The lab counts an explosion where GradientSpikeGuard (at its defaults, and as configs/guard.yaml
+    sets it) would veto the update: the three numbers are pinned here, apart from both, so that
+    neither can change alone."""
+    import inspect
+
+    import yaml
+
+    from lldslight.callbacks.guard import GradientSpikeGuard
+    from tests.conftest import ROOT
+
+    guard = {k: p.default for k, p in inspect.signature(GradientSpikeGuard.__init__).parameters.items()}
+    crit = C.CollapseCriteria()
+    lab = {"factor": crit.explode_factor, "window": crit.explode_window, "warmup": crit.explode_warmup}
+    assert lab == {k: guard[k] for k in lab} == {"factor": 10.0, "window": 50, "warmup": 10}
+    preset = yaml.safe_load((ROOT / "configs" / "guard.yaml").read_text())["trainer"]["callbacks+"]
+    (init,) = [c["init_args"] for c in preset if c["class_path"].endswith("GradientSpikeGuard")]
+    assert {k: init[k] for k in lab} == lab
+
+
 def test_summarise_a_frame():
     frame = pd.DataFrame({"train/reward": [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2], "train/answered_rate": [1.0] * 8,
                           "diag/tool_call_rate": [1.0] * 8, "lld/delta_correct": [0.1, -0.1, float("nan"), -0.2] + [0.1] * 4},

@@ -69,7 +69,7 @@ def test_correct_rows_rules() -> None:
     reward = torch.tensor([1.0, 1.0, 0.0, 0.0])  # row 1: correct in an all-correct group (A=0)
     assert diag.correct_rows(adv, reward, "positive_advantage").tolist() == [0]
     assert diag.correct_rows(adv, reward, "reward").tolist() == [0, 1]
-    with pytest.raises(ValueError, match="correct-set rule 'right'"):
+    with pytest.raises(ValueError, match=r"correct-set rule \(LLDMonitor.correct_set\) must be 'positive_advantage' or 'reward', got 'right'"):
         diag.correct_rows(adv, reward, "right")
 
 

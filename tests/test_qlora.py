@@ -53,7 +53,7 @@ def frozen_state(model) -> dict[str, torch.Tensor]:
 
 
 def test_quantization_needs_lora_and_accepts_random_init():
-    with pytest.raises(ValueError, match="needs policy.lora"):
+    with pytest.raises(ValueError, match=r"policy.lora must be a LoRA config with policy.quantization='nf4', got None"):
         PolicyConfig(quantization="nf4", lora=None)
     with pytest.raises(ValueError, match="'nf4', 'int8'"):
         PolicyConfig(quantization="fp4")
@@ -65,7 +65,7 @@ def test_qlora_without_lora_is_rejected_when_the_cli_builds_the_module(tmp_path,
 
     assert main(["fit", "--config", "configs/tiny.yaml", "--model.policy.quantization", "nf4", "--model.policy.lora", "null",
                  "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 2
-    assert "lldslight fit: error: policy.quantization='nf4' needs policy.lora" in capsys.readouterr().err
+    assert "lldslight fit: error: policy.lora must be a LoRA config with policy.quantization='nf4', got None" in capsys.readouterr().err
 
 
 def test_missing_bitsandbytes_names_the_extra(monkeypatch):

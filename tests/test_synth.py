@@ -105,4 +105,4 @@ def test_cli_synth_from_a_fit_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert manifest["args"] == {"seed": 2, "entities": 40, "comparisons": 40, "dev": 6, "test": 6}
     (tmp_path / "bad.yaml").write_text("data: {batch_size: 2}\n")
     assert data_main(["synth", "--config", str(tmp_path / "bad.yaml")]) == 2
-    assert "no data.synthesize mapping" in capsys.readouterr().err
+    assert "bad.yaml: data.synthesize must be a mapping with an out_dir, got None" in capsys.readouterr().err

@@ -47,7 +47,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lldslight.checkpoint import capture_rng, restore_rng
+from lldslight.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
 from lldslight.data.synth import synthesize
-from lldslight.errors import ArgumentParser
+from lldslight.errors import ArgumentParser, ConfigError, require
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,12 +38,11 @@ def _synth_args_from_config(path: str) -> dict:
     try:
         config = yaml.safe_load(Path(path).read_text())
     except OSError as e:
-        raise ValueError(f"cannot read config {path}: {e}") from None
+        raise ConfigError(f"cannot read config {path}: {e}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"malformed YAML in {path}: {e}") from None
+        raise ConfigError(f"malformed YAML in {path}: {e}") from None
     synth = ((config or {}).get("data") or {}).get("synthesize") if isinstance(config, dict) else None
-    if not isinstance(synth, dict) or "out_dir" not in synth:
-        raise ValueError(f"{path}: no data.synthesize mapping with an out_dir")
+    require(isinstance(synth, dict) and "out_dir" in synth, f"{path}: data.synthesize", "a mapping with an out_dir", synth)
     return dict(synth)
 
 

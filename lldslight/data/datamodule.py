@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lldslight.data.example import QAExample, check_template, make_prompt
 from lldslight.data.formats import load_examples
 from lldslight.data.synth import synthesize as synthesize_kb
-from lldslight.errors import ConfigError, MissingFileError
+from lldslight.errors import ConfigError, MissingFileError, require, require_choice
 
 
 @dataclass
@@ -189,6 +189,7 @@ class ResumableDataLoader(DataLoader):
         pass
 
 
+PromptSource = Literal["template", "file"]
 _SPLIT_ARGS = (("train", "train_files"), ("val", "val_files"), ("test", "test_files"))
 _SYNTH_FILES = {"train": "train.parquet", "val": "dev.parquet", "test": "test.parquet"}
 
@@ -227,7 +228,7 @@ class SearchQADataModule(pl.LightningDataModule):
         test_files: Optional[list[str]] = None,
         batch_size: int = 4,
         eval_batch_size: int = 16,
-        prompt_source: Literal["template", "file"] = "template",
+        prompt_source: PromptSource = "template",
         prompt_template: Optional[str] = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -238,10 +239,9 @@ class SearchQADataModule(pl.LightningDataModule):
         synthesize: Optional[SynthConfig] = None,
     ):
         super().__init__()
-        if batch_size < 1 or eval_batch_size < 1:
-            raise ConfigError(f"data.batch_size ({batch_size}) and data.eval_batch_size ({eval_batch_size}) must be >= 1")
-        if prompt_source not in ("template", "file"):
-            raise ValueError(f"prompt_source must be 'template' or 'file', got {prompt_source!r}")
+        require(batch_size >= 1, "data.batch_size", ">= 1", batch_size)
+        require(eval_batch_size >= 1, "data.eval_batch_size", ">= 1", eval_batch_size)
+        require_choice(prompt_source, "data.prompt_source", PromptSource)
         self.files = {"train": list(train_files or []), "val": list(val_files or []), "test": list(test_files or [])}
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -358,10 +358,8 @@ class SearchQADataModule(pl.LightningDataModule):
         self.setup("fit")
         world_size, rank = self._world()
         total, count = len(self.train_examples), n * world_size
-        if n < 1 or count > total:
-            raise ValueError(
-                f"refill_prompts({n}): need 1 <= n x world_size ({count}) <= the {total} training examples"
-            )
+        require(n >= 1 and count <= total, f"refill_prompts({n}): n x world_size", f"in [1, {total}] (the training "
+                "examples)", count, "dynamic sampling refills from the training set")
         pos = self._refill
         if pos.drawn + count > total:
             pos.epoch, pos.drawn = pos.epoch + 1, 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.data.example import QAExample
+from lldslight.errors import require
 from lldslight.data.formats import (
     format_passage,
     template_messages,
@@ -170,8 +171,8 @@ def _fmt_int(n: int) -> str:
 
 def build_world(seed: int, entities: int) -> World:
     """Sample the fictional world; ``entities`` counts every entity that gets a passage."""
-    if entities < 20:
-        raise ValueError(f"entities must be >= 20 (got {entities}): too few for 2-hop and comparison questions")
+    require(entities >= 20, "data.synthesize.entities (--entities)", ">= 20", entities,
+            "fewer are too few for 2-hop and comparison questions")
     rng = random.Random(seed)
     namer = _Namer(rng)
     n_countries = max(3, round(entities * 0.05))
@@ -460,8 +461,8 @@ def split_questions(qs: list[_Q], rng: random.Random, dev: int, test: int) -> di
                     out[split].append(by_type[t].pop())
     train = [q for t in QUESTION_TYPES for q in by_type[t]]
     rng.shuffle(train)
-    if not train:
-        raise ValueError(f"dev={dev} + test={test} leave no training questions out of {len(qs)}")
+    require(bool(train), "data.synthesize.dev + test (--dev, --test)", f"below the {len(qs)} questions generated "
+            "(the rest are the training split)", dev + test, f"dev={dev} + test={test} leave no training questions")
     out["train"] = train
     return out
 

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import numpy as np
 
+from lldslight.errors import require_choice
+
 from .base import Passage, RetrievalError
 from .index import IndexedRetriever
 
@@ -23,6 +25,8 @@ _FAISS_NAME = "faiss.index"
 # Passages are length-sorted within a chunk to cut padding; a bigger chunk sorts better but
 # holds more text. 16k passages is a few tens of MB.
 _BUILD_CHUNK = 16_384
+Pooling = Literal["mean", "cls"]
+IndexType = Literal["flat", "hnsw"]
 
 
 def resolve_encoder(name: str) -> str:
@@ -48,7 +52,7 @@ def resolve_device(device: str) -> str:
 class TextEncoder:
     """Batched, length-sorted sentence embedding with mean or CLS pooling."""
 
-    def __init__(self, name: str, pooling: str = "mean", normalize: bool = True, max_seq_length: int = 256,
+    def __init__(self, name: str, pooling: Pooling = "mean", normalize: bool = True, max_seq_length: int = 256,
                  batch_size: int = 64, device: str = "auto"):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -142,12 +146,12 @@ class DenseRetriever(IndexedRetriever):
         corpus: Optional[str] = None,
         index_dir: Optional[str] = None,
         encoder: str = DEFAULT_ENCODER,
-        pooling: Literal["mean", "cls"] = "mean",
+        pooling: Pooling = "mean",
         normalize: bool = True,
         query_prefix: Optional[str] = None,
         passage_prefix: Optional[str] = None,
         max_seq_length: int = 256,
-        index_type: Literal["flat", "hnsw"] = "flat",
+        index_type: IndexType = "flat",
         hnsw_m: int = 32,
         hnsw_ef_search: int = 128,
         batch_size: int = 64,
@@ -156,10 +160,8 @@ class DenseRetriever(IndexedRetriever):
         show_progress: bool = True,
     ):
         super().__init__(corpus, index_dir, show_progress)
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        if index_type not in ("flat", "hnsw"):
-            raise ValueError(f"index_type must be 'flat' or 'hnsw', got {index_type!r}")
+        require_choice(pooling, "DenseRetriever.pooling", Pooling)
+        require_choice(index_type, "DenseRetriever.index_type", IndexType)
         self.encoder = DEFAULT_ENCODER if encoder in _PACKAGED_ALIASES else encoder
         e5 = "e5" in Path(self.encoder).name.lower() or "e5" in self.encoder.lower().split("/")[-1]
         self.query_prefix = query_prefix if query_prefix is not None else ("query: " if e5 else "")

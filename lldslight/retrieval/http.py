@@ -6,12 +6,13 @@ import threading
 import time
 from typing import Any, Literal
 
-from lldslight.errors import require
+from lldslight.errors import require, require_choice
 
 from .base import Passage, RetrievalError
 
 log = logging.getLogger(__name__)
 
+OnUnavailable = Literal["fail", "observe"]
 UNAVAILABLE = Passage(id="unavailable", contents='"Search unavailable"\nThe search engine is unavailable right now.',
                       score=0.0)
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -64,11 +65,11 @@ class HttpRetriever:
         retries: int = 3,
         backoff: float = 0.5,
         batch_size: int = 256,
-        on_unavailable: Literal["fail", "observe"] = "fail",
+        on_unavailable: OnUnavailable = "fail",
         breaker_failures: int = 3,
         breaker_cooldown: float = 30.0,
     ):
-        require(on_unavailable in ("fail", "observe"), "HttpRetriever.on_unavailable", "'fail' or 'observe'", on_unavailable)
+        require_choice(on_unavailable, "HttpRetriever.on_unavailable", OnUnavailable)
         require(breaker_failures >= 0, "HttpRetriever.breaker_failures", ">= 0 (0 = no circuit breaker)", breaker_failures)
         require(breaker_cooldown > 0, "HttpRetriever.breaker_cooldown", "> 0 seconds", breaker_cooldown)
         require(batch_size >= 1, "HttpRetriever.batch_size", ">= 1", batch_size)
@@ -108,8 +109,7 @@ class HttpRetriever:
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         if isinstance(queries, str):
             raise TypeError("search takes a list of queries, not a single string")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        require(k >= 1, f"{type(self).__name__}.search k (rollout.topk)", ">= 1", k)
         out: list[list[Passage]] = []
         for s in range(0, len(queries), self.batch_size):
             chunk = list(queries[s : s + self.batch_size])

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from lldslight.data.formats import CorpusRecordError, corpus_record
+from lldslight.errors import require
 
 from .base import Passage, RetrievalError, retriever_class  # noqa: F401  (retriever_class: re-exported)
 
@@ -286,8 +287,8 @@ class IndexedRetriever:
     kind: str = ""
 
     def __init__(self, corpus: Optional[str], index_dir: Optional[str], show_progress: bool):
-        if corpus is None and index_dir is None:
-            raise ValueError(f"{type(self).__name__} needs a corpus, an index_dir, or both")
+        require(corpus is not None or index_dir is not None, f"{type(self).__name__}.corpus / index_dir",
+                "given (a corpus, an index_dir, or both)", None)
         self.corpus = corpus
         self.index_dir = index_dir
         self.show_progress = show_progress
@@ -334,8 +335,7 @@ class IndexedRetriever:
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         if isinstance(queries, str):
             raise TypeError("search takes a list of queries, not a single string")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        require(k >= 1, f"{type(self).__name__}.search k (rollout.topk)", ">= 1", k)
         if not queries:
             return []
         self.load()

@@ -169,8 +169,7 @@ class MicroBatcher:
     """
 
     def __init__(self, retriever: Retriever, max_batch: int = 64, max_wait_ms: float = 5.0):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        require(max_batch >= 1, "MicroBatcher.max_batch (--max-batch)", ">= 1", max_batch)
         self.retriever = retriever
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from lldslight.errors import require
 from lldslight.policy import decoder_and_head
 
 
@@ -94,8 +95,8 @@ class _Decoder:
     def __init__(self, model: nn.Module) -> None:
         self.decoder, self.head = decoder_and_head(model)
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-        if impl not in (None, "sdpa", "eager"):
-            raise ValueError(f"the rollout engine needs attn_implementation 'sdpa' or 'eager' (its per-row masks), not {impl!r}")
+        require(impl in (None, "sdpa", "eager"), "policy.attn_implementation", "'sdpa' or 'eager' for the rollout engine",
+                impl, "its ragged cache gives each row its own 4-D attention mask")
         self.additive_mask = impl == "eager"  # eager adds the mask to the scores; sdpa takes a boolean one
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"

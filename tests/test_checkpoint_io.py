@@ -11,7 +11,7 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from lldslight.checkpoint import (
+from lldslight.checkpoint_io import (
     AtomicCheckpointIO,
     capture_rng,
     newest_last_checkpoint,
@@ -115,3 +115,42 @@ def test_checkpoint_holds_trainable_weights_and_a_mismatch_names_the_keys():
     wrong_rank.policy_config.lora.r = 8
     with pytest.raises(ValueError, match="shapes differ"):
         wrong_rank.on_load_checkpoint({"state_dict": dict(checkpoint["state_dict"])})
+
+
+# -- the old module paths (lldslight.checkpoint, lldslight.checkpointing) ---------------------------
+
+
+def test_old_module_paths_still_import_and_warn():
+    import lldslight.activation_checkpointing as activation
+    import lldslight.checkpoint as old
+    import lldslight.checkpoint_io as new
+    import lldslight.checkpointing as old_activation
+
+    with pytest.warns(DeprecationWarning, match=r"lldslight\.checkpoint\.AtomicCheckpointIO moved to lldslight\.checkpoint_io"):
+        assert old.AtomicCheckpointIO is new.AtomicCheckpointIO
+    with pytest.warns(DeprecationWarning, match=r"moved to lldslight\.checkpoint_io\.resolve_last_checkpoint"):
+        from lldslight.checkpoint import resolve_last_checkpoint as old_resolve
+    assert old_resolve is new.resolve_last_checkpoint
+    with pytest.warns(DeprecationWarning, match=r"moved to lldslight\.activation_checkpointing\.activation_budget"):
+        assert old_activation.activation_budget is activation.activation_budget
+    assert "AtomicCheckpointIO" in dir(old)
+    with pytest.raises(AttributeError):
+        old.no_such_name
+
+
+def test_a_config_naming_the_old_checkpoint_io_path_still_parses_and_warns(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from lldslight.cli import main
+    from tests.conftest import ROOT
+
+    old = tmp_path / "old_plugins.yaml"
+    old.write_text("trainer:\n  plugins:\n    - class_path: lldslight.checkpoint.AtomicCheckpointIO\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(DeprecationWarning, match=r"moved to lldslight\.checkpoint_io\.AtomicCheckpointIO"):
+        with pytest.raises(SystemExit) as done:
+            main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config", str(old), "--print_config"])
+    out = capsys.readouterr()
+    assert done.value.code in (0, None), out.err
+    plugins = yaml.safe_load(out.out)["trainer"]["plugins"]
+    assert [p["class_path"].rpartition(".")[2] for p in plugins] == ["AtomicCheckpointIO"], plugins
