@@ -39,6 +39,7 @@ from lldslight.checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy
+from lldslight.metric_rules import reduction
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
 
@@ -358,11 +359,12 @@ class GRPOModule(pl.LightningModule):
         metrics.update(per_update)
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
-        # Across ranks: maxima stay maxima, shares and counts add up, a step takes as long as its
-        # slowest rank; the rest (rollout statistics, values every rank shares) are averaged. Reduced
-        # here, once, so that callbacks reading last_step_metrics see the same global values on
-        # every rank (every rank logs the same keys).
-        kinds = {k: "max" if (k.endswith("_max") or k.startswith("time/")) else "sum" if k in summed else "mean" for k in metrics}
+        # Across ranks, by lldslight/metric_rules.py (maxima stay maxima, shares and counts add up, a
+        # step takes as long as its slowest rank, the rest is averaged); an update's key without a
+        # rule (your loss term's or gate's) by its channel. Reduced here, once, so that callbacks
+        # reading last_step_metrics see the same global values on every rank (every rank logs the
+        # same keys).
+        kinds = {k: reduction(k, default="sum" if k in summed else "mean") for k in metrics}
         self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
         self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 

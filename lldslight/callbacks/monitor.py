@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight import diagnostics as diag
+from lldslight.metric_rules import reduction
 
 WarningAction = Literal["none", "stop", "checkpoint"]
 
@@ -124,6 +125,7 @@ class LLDMonitor(pl.Callback):
             "lld/slope": update.slope,
             "lld/phase": float(update.phase),
             "lld/warning": float(update.warning),
+            # this rank's time, not max-reduced like the other time/* keys (docs/metrics.md)
             "time/lld_monitor_s": time.perf_counter() - t0,
         })
         self.last_metrics = metrics
@@ -185,6 +187,11 @@ class LLDMonitor(pl.Callback):
 
     @staticmethod
     def _reduce(trainer, stats: dict[str, diag.SumCount]) -> dict[str, diag.SumCount]:
+        """(sum, count) pairs over ranks: a mean by metric_rules (``lld/*``, ``diag/*``), a true
+        ratio, so both parts add up before dividing."""
+        not_means = sorted(k for k in stats if reduction(k) != "mean")
+        if not_means:  # a (sum, count) pair is a mean; a rule saying otherwise is a bug here or there
+            raise RuntimeError(f"LLDMonitor: {', '.join(not_means)} are (sum, count) means, but metric_rules reduces them otherwise")
         if trainer.world_size <= 1:
             return stats
         keys = sorted(stats)
