@@ -37,7 +37,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, runtime_checkable
+from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, get_args, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -49,6 +49,10 @@ from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
 from lldslight.metric_rules import logged_name, over_updates, reduction
 from lldslight.trajectory import Trajectory
+
+
+OldLogpSource = Literal["recompute", "rollout"]
+MinibatchGrouping = Literal["rows", "prompts"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class UpdateConfig:
     """When set, micro-batches are packed by this token budget (rows x longest row) instead."""
     reuse_onpolicy_logp: bool = True
     """The on-policy mini-batch's old log-probs are its own detached log-probs (no separate pass)."""
-    old_logp_source: Literal["recompute", "rollout"] = "recompute"
+    old_logp_source: OldLogpSource = "recompute"
     """pi_old's log-probs: a no-grad forward pass, or the sampler's own (fp32 only)."""
     clip_eps: float = 0.2
     """PPO clip epsilon, lower side."""
@@ -90,7 +94,7 @@ class UpdateConfig:
     """Max total gradient norm (0 = no clipping)."""
     shuffle_minibatches: bool = True
     """Shuffle rows (or groups) before splitting them into mini-batches."""
-    minibatch_grouping: Literal["rows", "prompts"] = "rows"
+    minibatch_grouping: MinibatchGrouping = "rows"
     """Split rows, or whole prompts' groups, into mini-batches."""
     negative_advantages: obj.NegativeAdvantages = "keep"
     """A collapse-lab control on the policy gradient of rows with A < 0 (objectives.policy_gradient_weight)."""
@@ -104,9 +108,12 @@ class UpdateConfig:
         require(self.micro_batch_size >= 1, "model.micro_batch_size", ">= 1", self.micro_batch_size)
         require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null",
                 self.micro_batch_tokens)
-        require(self.minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", self.minibatch_grouping)
-        require(self.negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'",
-                self.negative_advantages)
+        # Each choice set is defined once, as a Literal: here, or in objectives.py beside the formula that takes it.
+        for key, choices in (("old_logp_source", OldLogpSource), ("minibatch_grouping", MinibatchGrouping),
+                             ("aggregation", obj.Aggregation), ("kl_estimator", obj.KLEstimator),
+                             ("negative_advantages", obj.NegativeAdvantages)):
+            value = getattr(self, key)
+            require(value in get_args(choices), f"model.{key}", f"one of {get_args(choices)}", value)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 

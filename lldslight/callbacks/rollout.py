@@ -56,8 +56,8 @@ class SearchRollout(pl.Callback):
         eval_after_fit: bool = False,
         dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
     ) -> None:
-        require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
-        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
+        require(eval_max_turns >= 0, "SearchRollout.eval_max_turns", ">= 0", eval_max_turns)
+        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "SearchRollout.eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
         self.config = rollout
