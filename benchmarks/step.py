@@ -228,7 +228,7 @@ def worker_lldslight(spec: dict) -> dict:
     from lldslight.data.example import QAExample
     from lldslight.module import GRPOModule
     from lldslight.policy import LoRAConfig, PolicyConfig
-    from lldslight.rollout import RolloutConfig, RolloutEngine
+    from lldslight.rollout import RolloutConfig
 
     class NoSearch:
         def search(self, queries, k):
@@ -277,8 +277,8 @@ def worker_lldslight(spec: dict) -> dict:
                 return super().manual_backward(loss, *args, **kwargs)
 
     if spec.get("profile"):
-        labels.wrap(RolloutEngine, "generate", "rollout")
-        labels.wrap(GRPOModule, "prepare_rollout", "log-probs")
+        for module_name, path, name in LLDSLIGHT_LABELS:
+            labels.wrap(*profiled_target(module_name, path), name)
 
     module = BenchModule(
         policy=PolicyConfig(
@@ -320,6 +320,29 @@ def worker_lldslight(spec: dict) -> dict:
     return clock.result()
 
 
+# The phases of lldslight's step that --profile labels, on the code path a training step takes
+# (SearchRollout -> RolloutEngine.generate; GRPOModule.training_step -> update.train_on_rollout,
+# whose first part, update.prepare, computes the advantages and pi_old's and the reference's
+# log-probs). The worker labels training_step ("update") and manual_backward ("backward") itself.
+# As (module, attribute path, label); tests/test_bench_step.py checks every target exists.
+LLDSLIGHT_LABELS = (
+    ("lldslight.rollout", "RolloutEngine.generate", "rollout"),
+    ("lldslight.update", "prepare", "log-probs"),
+)
+
+
+def profiled_target(module_name: str, path: str) -> tuple[object, str]:
+    """(the object that holds it, its attribute name) for an entry of LLDSLIGHT_LABELS; fails when
+    the library no longer has it (a renamed phase must not drop out of the profile silently)."""
+    owner: object = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    if not callable(getattr(owner, attr, None)):
+        raise AttributeError(f"benchmarks/step.py profiles {module_name}.{path}, which does not exist: update LLDSLIGHT_LABELS")
+    return owner, attr
+
+
 class _Labels:
     """Profiler labels around the phases, only when profiling (a no-op otherwise)."""
 
@@ -334,7 +357,7 @@ class _Labels:
         return _profiling().label(name)
 
     def wrap(self, obj, attr: str, name: str) -> None:
-        if self.on and hasattr(obj, attr):
+        if self.on:
             _profiling().wrap(obj, attr, name)
 
 

@@ -20,7 +20,7 @@ import contextlib
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any, ContextManager, Literal, Mapping, Optional
+from typing import Any, ContextManager, Literal, Mapping, Optional, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -39,10 +39,13 @@ from lldslight.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
 from lldslight.preflight import check_policy
+from lldslight.metric_rules import reduction
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
 
 _U = UpdateConfig  # the update's settings take their defaults from UpdateConfig (defined once, there)
+Optimizer = Literal["adamw", "adamw8bit"]
+RolloutStage = Literal["train", "eval"]
 
 
 class GRPOModule(pl.LightningModule):
@@ -120,12 +123,12 @@ class GRPOModule(pl.LightningModule):
         warmup_steps: Optional[int] = None,
         warmup_ratio: float = 0.0,
         grad_clip: float = _U.grad_clip,
-        optimizer: Literal["adamw", "adamw8bit"] = "adamw",
+        optimizer: Optimizer = "adamw",
         updates_per_rollout: int = _U.updates_per_rollout,
         micro_batch_size: int = _U.micro_batch_size,
         micro_batch_tokens: Optional[int] = _U.micro_batch_tokens,
         reuse_onpolicy_logp: bool = _U.reuse_onpolicy_logp,
-        old_logp_source: Literal["recompute", "rollout"] = _U.old_logp_source,
+        old_logp_source: update.OldLogpSource = _U.old_logp_source,
         clip_eps: float = _U.clip_eps,
         clip_eps_high: Optional[float] = _U.clip_eps_high,
         ratio_clamp: Optional[float] = _U.ratio_clamp,
@@ -137,7 +140,7 @@ class GRPOModule(pl.LightningModule):
         logprob_temperature: float = 1.0,
         logprob_chunk_size: Optional[int] = None,
         shuffle_minibatches: bool = _U.shuffle_minibatches,
-        minibatch_grouping: Literal["rows", "prompts"] = _U.minibatch_grouping,
+        minibatch_grouping: update.MinibatchGrouping = _U.minibatch_grouping,
         negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
@@ -149,6 +152,7 @@ class GRPOModule(pl.LightningModule):
         require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
         require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
         require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
+        require(optimizer in get_args(Optimizer), "model.optimizer", f"one of {get_args(Optimizer)}", optimizer)
         # The update's settings, typed; UpdateConfig checks their ranges (the same "model.<key>" messages).
         self.update_config: UpdateConfig = UpdateConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(UpdateConfig)})
         if old_logp_source == "rollout" and policy.precision != "fp32":
@@ -251,13 +255,13 @@ class GRPOModule(pl.LightningModule):
             self.hparams[key] = value
 
     def receive_rollout(
-        self, trajectory: Trajectory, stage: Literal["train", "eval"] = "train", timings: Optional[Mapping[str, float]] = None
+        self, trajectory: Trajectory, stage: RolloutStage = "train", timings: Optional[Mapping[str, float]] = None
     ) -> None:
         """The rollout callback's hand-off (SearchRollout, before each step): ``trajectory`` is what
         the next training step trains on (``stage="train"``) or the next validation/test step scores
         (``"eval"``); ``timings`` (seconds, e.g. ``rollout_s``, ``retrieval_s``) are logged with the
         step as ``time/<key>``."""
-        require(stage in ("train", "eval"), "receive_rollout stage", "'train' or 'eval'", stage)
+        require(stage in get_args(RolloutStage), "receive_rollout stage", f"one of {get_args(RolloutStage)}", stage)
         if stage == "train":
             self.rollout_batch = trajectory
         else:
@@ -312,11 +316,8 @@ class GRPOModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         traj = self.rollout_batch
-        if traj is None:
-            raise RuntimeError(
-                "GRPOModule got no rollouts: add the SearchRollout callback to trainer.callbacks "
-                "(see configs/demo.yaml), or hand them over with receive_rollout"
-            )
+        require(traj is not None, "the rollouts of a training step", "handed over with GRPOModule.receive_rollout (add the "
+                "SearchRollout callback to trainer.callbacks, see configs/demo.yaml)", traj)
         self.rollout_batch = None
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
         result = update.train_on_rollout(self, traj, optimizer, self.lr_schedulers())
@@ -358,11 +359,12 @@ class GRPOModule(pl.LightningModule):
         metrics.update(per_update)
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
-        # Across ranks: maxima stay maxima, shares and counts add up, a step takes as long as its
-        # slowest rank; the rest (rollout statistics, values every rank shares) are averaged. Reduced
-        # here, once, so that callbacks reading last_step_metrics see the same global values on
-        # every rank (every rank logs the same keys).
-        kinds = {k: "max" if (k.endswith("_max") or k.startswith("time/")) else "sum" if k in summed else "mean" for k in metrics}
+        # Across ranks, by lldslight/metric_rules.py (maxima stay maxima, shares and counts add up, a
+        # step takes as long as its slowest rank, the rest is averaged); an update's key without a
+        # rule (your loss term's or gate's) by its channel. Reduced here, once, so that callbacks
+        # reading last_step_metrics see the same global values on every rank (every rank logs the
+        # same keys).
+        kinds = {k: reduction(k, default="sum" if k in summed else "mean") for k in metrics}
         self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
         self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 
@@ -455,8 +457,8 @@ class GRPOModule(pl.LightningModule):
 
     def _eval_step(self) -> None:
         traj = self.eval_batch
-        if traj is None:
-            raise RuntimeError("GRPOModule got no evaluation rollouts: add the SearchRollout callback")
+        require(traj is not None, "the rollouts of an evaluation step", "handed over with GRPOModule.receive_rollout(..., "
+                "stage='eval') (add the SearchRollout callback to trainer.callbacks, see configs/demo.yaml)", traj)
         self.eval_batch = None
         self.eval_records.extend(evaluation.trajectory_records(traj))
 

@@ -37,7 +37,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, runtime_checkable
+from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, get_args, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -47,7 +47,12 @@ from lldslight import hostmem
 from lldslight import objectives as obj
 from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
+from lldslight.metric_rules import logged_name, over_updates, reduction
 from lldslight.trajectory import Trajectory
+
+
+OldLogpSource = Literal["recompute", "rollout"]
+MinibatchGrouping = Literal["rows", "prompts"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class UpdateConfig:
     """When set, micro-batches are packed by this token budget (rows x longest row) instead."""
     reuse_onpolicy_logp: bool = True
     """The on-policy mini-batch's old log-probs are its own detached log-probs (no separate pass)."""
-    old_logp_source: Literal["recompute", "rollout"] = "recompute"
+    old_logp_source: OldLogpSource = "recompute"
     """pi_old's log-probs: a no-grad forward pass, or the sampler's own (fp32 only)."""
     clip_eps: float = 0.2
     """PPO clip epsilon, lower side."""
@@ -89,7 +94,7 @@ class UpdateConfig:
     """Max total gradient norm (0 = no clipping)."""
     shuffle_minibatches: bool = True
     """Shuffle rows (or groups) before splitting them into mini-batches."""
-    minibatch_grouping: Literal["rows", "prompts"] = "rows"
+    minibatch_grouping: MinibatchGrouping = "rows"
     """Split rows, or whole prompts' groups, into mini-batches."""
     negative_advantages: obj.NegativeAdvantages = "keep"
     """A collapse-lab control on the policy gradient of rows with A < 0 (objectives.policy_gradient_weight)."""
@@ -103,9 +108,12 @@ class UpdateConfig:
         require(self.micro_batch_size >= 1, "model.micro_batch_size", ">= 1", self.micro_batch_size)
         require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null",
                 self.micro_batch_tokens)
-        require(self.minibatch_grouping in ("rows", "prompts"), "model.minibatch_grouping", "'rows' or 'prompts'", self.minibatch_grouping)
-        require(self.negative_advantages in ("keep", "drop", "unshared"), "model.negative_advantages", "'keep', 'drop' or 'unshared'",
-                self.negative_advantages)
+        # Each choice set is defined once, as a Literal: here, or in objectives.py beside the formula that takes it.
+        for key, choices in (("old_logp_source", OldLogpSource), ("minibatch_grouping", MinibatchGrouping),
+                             ("aggregation", obj.Aggregation), ("kl_estimator", obj.KLEstimator),
+                             ("negative_advantages", obj.NegativeAdvantages)):
+            value = getattr(self, key)
+            require(value in get_args(choices), f"model.{key}", f"one of {get_args(choices)}", value)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 
@@ -211,28 +219,35 @@ class RolloutUpdates:
     timings: dict[str, float]
 
     def step_metrics(self) -> tuple[dict[str, float], set[str]]:
-        """The step's values of the per-update metrics (mean over updates; sum for counts of
-        non-finite values and vetoes; max for "_max" keys), named ``train/<key>`` unless a callback
-        namespaced the key itself, and the names whose per-rank values add up over ranks."""
+        """The step's values of the per-update metrics, combined over updates by
+        ``metric_rules.over_updates`` (mean over the updates that recorded a finite value; sum for
+        counts of non-finite values and vetoes; max for "_max" keys), named ``train/<key>`` unless a
+        callback namespaced the key itself, and the names whose per-rank values add up over ranks
+        (the ``summed`` channel: the default of a key metric_rules has no rule for)."""
         metrics = {"train/vetoed_updates": float(sum(self.shared.get("vetoed", [0.0])))}
         summed = set()
         for channel in (self.summed, self.shared):
             for k, values in channel.items():
                 if k == "vetoed":
                     continue
-                name = k if "/" in k else f"train/{k}"
-                finite = [v for v in values if math.isfinite(v)]
-                if k.startswith("nonfinite"):
-                    metrics[name] = sum(values)
-                elif k.endswith("_max"):
-                    metrics[name] = max(finite) if finite else float("nan")
-                else:
-                    metrics[name] = sum(finite) / len(finite) if finite else float("nan")
-                    if k == "grad_norm":
-                        metrics["train/grad_norm_max"] = max(values)
+                name = logged_name(k)
+                metrics[name] = _over_updates(over_updates(name), values)
+                if k == "grad_norm":
+                    metrics["train/grad_norm_max"] = max(values)
                 if channel is self.summed:
                     summed.add(name)
         return metrics, summed
+
+
+def _over_updates(kind: str, values: list[float]) -> float:
+    """A step's value of a key from its per-update values: a sum counts every value (a non-finite
+    count stays visible), the others ignore non-finite ones (NaN when none is left)."""
+    if kind == "sum":
+        return sum(values)
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return float("nan")
+    return max(finite) if kind == "max" else min(finite) if kind == "min" else sum(finite) / len(finite)
 
 
 # -- 0. the rollout batch ----------------------------------------------------------------------------
@@ -401,8 +416,8 @@ def update(module: Learner, traj: Trajectory, rows: Tensor, update_index: int, o
                     # gathers weights in every backward; gradients are reduced in the last): join
                     # them with a zero gradient. The update is then vetoed on every rank.
                     module.manual_backward(logp.sum() * 0.0)
-        for k, v in stats.items():  # maxima for "_max" keys, sums otherwise
-            summed[k] = v if k not in summed else max(float(summed[k]), float(v)) if k.endswith("_max") else summed[k] + v
+        for k, v in stats.items():  # shares and counts add up over micro-batches, maxima stay maxima (metric_rules)
+            summed[k] = v if k not in summed else _combine(reduction(logged_name(k), default="sum"), summed[k], v)
     shared = step(module, optimizer, update_index, loss_ok, float(summed.get("loss", float("nan"))))
     old_logp = None
     if filled:
@@ -410,6 +425,16 @@ def update(module: Learner, traj: Trajectory, rows: Tensor, update_index: int, o
         for idx, values in filled:
             old_logp[idx.to(old_logp.device), : values.shape[1]] = values
     return _Update({k: float(v) for k, v in summed.items()}, shared, old_logp)
+
+
+def _combine(kind: str, a: Tensor | float, b: Tensor | float) -> Tensor | float:
+    """Two micro-batches' values of one key: the rows of a mini-batch are split over micro-batches
+    as over ranks, so by the key's across-ranks rule (a share or count adds up)."""
+    if kind == "max":
+        return max(float(a), float(b))
+    if kind == "min":
+        return min(float(a), float(b))
+    return a + b
 
 
 def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float) -> dict[str, Tensor]:

@@ -118,3 +118,20 @@ def test_precisions_map_to_each_sides_setting(step):
     assert step.LLDSLIGHT_PRECISION == {"fp32": "fp32", "bf16": "bf16-mixed"}
     with pytest.raises(SystemExit, match="--precision must be"):
         step.main(["--precision", "fp16", "--only", "lldslight"])
+
+
+def test_profiled_phases_are_on_the_libraries_code_path(step):
+    """--profile labels functions the library has, on the path a training step takes (a renamed
+    phase fails here instead of dropping out of the profile: GRPOModule.prepare_rollout did)."""
+    import inspect
+
+    from lldslight import update
+
+    labels = load_benchmark("profiling").LABELS
+    for module_name, path, name in step.LLDSLIGHT_LABELS:
+        owner, attr = step.profiled_target(module_name, path)
+        assert callable(getattr(owner, attr)) and name in labels
+    # update.prepare is labelled by replacing the module's attribute: train_on_rollout calls it by that name.
+    assert "prepare(module, traj" in inspect.getsource(update.train_on_rollout)
+    with pytest.raises(AttributeError, match="update LLDSLIGHT_LABELS"):
+        step.profiled_target("lldslight.module", "GRPOModule.prepare_rollout")

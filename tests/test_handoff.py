@@ -58,6 +58,29 @@ def test_the_module_is_a_learner_with_the_update_config_of_its_hparams():
         module.reconfigure_update(kl_coef=-1.0)
 
 
+def test_update_choice_sets_are_defined_once_and_checked():
+    """GRPOModule's signature types every update setting with UpdateConfig's own type (its Literal
+    choice sets: update.py's, or objectives.py's), and UpdateConfig refuses a value outside them,
+    naming the key and the choices."""
+    import typing
+
+    from lldslight.errors import ConfigError
+    from lldslight.module import GRPOModule
+    from lldslight.update import UpdateConfig
+
+    module_types = typing.get_type_hints(GRPOModule.__init__)
+    update_types = typing.get_type_hints(UpdateConfig)
+    for f in dataclasses.fields(UpdateConfig):
+        assert module_types[f.name] == update_types[f.name], f.name
+    for key, bad in (("aggregation", "mean"), ("kl_estimator", "k2"), ("old_logp_source", "cache"),
+                     ("minibatch_grouping", "groups"), ("negative_advantages", "flip")):
+        choices = typing.get_args(update_types[key])
+        with pytest.raises(ConfigError, match=rf"model\.{key} must be one of .*{choices[0]}.*got '{bad}'"):
+            UpdateConfig(**{key: bad})
+    with pytest.raises(ConfigError, match=r"model\.optimizer must be one of \('adamw', 'adamw8bit'\), got 'sgd'"):
+        GRPOModule(policy=tiny_policy_config(), optimizer="sgd")
+
+
 def test_update_defaults_are_defined_once_in_update_config():
     """Every UpdateConfig field is a GRPOModule argument whose default is UpdateConfig's, and
     every field is typed and documented (an attribute docstring after it, as litgpt's TrainArgs)."""
@@ -151,7 +174,7 @@ def test_receive_rollout_is_the_hand_off(fixed_traj):
     assert module.rollout_batch is fixed_traj and module.eval_batch is None and module.timings == {"rollout_s": 1.5}
     module.receive_rollout(fixed_traj, "eval")
     assert module.eval_batch is fixed_traj
-    with pytest.raises(ValueError, match="'train' or 'eval'"):
+    with pytest.raises(ValueError, match=r"receive_rollout stage must be one of \('train', 'eval'\)"):
         module.receive_rollout(fixed_traj, "val")
 
 

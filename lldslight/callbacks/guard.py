@@ -23,7 +23,7 @@ import math
 import statistics
 from collections import deque
 from pathlib import Path
-from typing import Any, Literal, Optional, Protocol, runtime_checkable
+from typing import Any, Literal, Optional, Protocol, get_args, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -31,6 +31,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
+
+SpikeAction = Literal["veto", "clip"]
+GiveUpAction = Literal["stop", "restore", "heal"]
+RestoreSource = Literal["memory", "checkpoint"]
 
 
 @runtime_checkable
@@ -75,10 +79,10 @@ class GradientSpikeGuard(pl.Callback):
         window: int = 50,
         warmup: int = 10,
         empty_below: float = 1e-3,
-        on_spike: Literal["veto", "clip"] = "veto",
+        on_spike: SpikeAction = "veto",
         max_consecutive_vetoes: int = 5,
-        on_give_up: Literal["stop", "restore", "heal"] = "stop",
-        restore_from: Literal["memory", "checkpoint"] = "memory",
+        on_give_up: GiveUpAction = "stop",
+        restore_from: RestoreSource = "memory",
         max_restores: int = 3,
         checkpoint_dir: Optional[str] = None,
     ) -> None:
@@ -88,12 +92,9 @@ class GradientSpikeGuard(pl.Callback):
             require(value >= 0, f"GradientSpikeGuard.{name}", ">= 0", value)
         require(0.0 <= empty_below < 1.0 / factor, "GradientSpikeGuard.empty_below", f"in [0, 1/factor = {1.0 / factor:g})", empty_below,
                 "an empty update must be far below a spike")
-        for name, value, allowed in (
-            ("on_spike", on_spike, ("veto", "clip")),
-            ("on_give_up", on_give_up, ("stop", "restore", "heal")),
-            ("restore_from", restore_from, ("memory", "checkpoint")),
-        ):
-            require(value in allowed, f"GradientSpikeGuard.{name}", f"one of {allowed}", value)
+        for name, value, choices in (("on_spike", on_spike, SpikeAction), ("on_give_up", on_give_up, GiveUpAction),
+                                     ("restore_from", restore_from, RestoreSource)):
+            require(value in get_args(choices), f"GradientSpikeGuard.{name}", f"one of {get_args(choices)}", value)
         self.factor = factor
         self.window = window
         self.warmup = warmup
@@ -123,8 +124,8 @@ class GradientSpikeGuard(pl.Callback):
     # -- wiring ---------------------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(pl_module, "add_step_gate"):
-            raise TypeError(f"GradientSpikeGuard needs a module with add_step_gate (GRPOModule), got {type(pl_module).__name__}")
+        require(hasattr(pl_module, "add_step_gate"), "model (for GradientSpikeGuard)", "a module with add_step_gate (GRPOModule)",
+                type(pl_module).__name__)
         pl_module.add_step_gate("gradient_spike_guard", self.gate)
         if self.on_give_up == "heal":
             heals = [cb for cb in trainer.callbacks if isinstance(cb, Healer)]

@@ -8,7 +8,7 @@ github.com/vengdeng/LLDS-On-Group-Relative-Policy-Optimization-Collapse-in-Searc
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -16,8 +16,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lldslight import objectives as obj
+from lldslight.errors import ConfigError, require
 
-AnswerMasking = Literal["off", "fixed", "paper", "official"]
+AnswerMasking = Literal["off", "fixed", obj.BetaRule]  # off, a fixed beta, or a beta rule of objectives.py
 
 
 class LLDS(pl.Callback):
@@ -55,22 +56,18 @@ class LLDS(pl.Callback):
         answer_coef: Optional[float] = None,
         skip_on_policy: bool = True,
     ) -> None:
-        if coef < 0:
-            raise ValueError(f"LLDS.coef must be >= 0, got {coef}")
-        if gate not in ("action", "response", "token"):
-            raise ValueError(f"LLDS.gate must be 'action', 'response' or 'token', got {gate!r}")
-        if normaliser not in ("preserving", "all"):
-            raise ValueError(f"LLDS.normaliser must be 'preserving' or 'all', got {normaliser!r}")
-        if answer_masking is True:
-            raise ValueError("LLDS.answer_masking: true is ambiguous: use 'fixed', 'paper' or 'official'")
+        require(coef >= 0, "LLDS.coef", ">= 0", coef)
+        # The choice sets are objectives.py's (the formulas that take them) and AnswerMasking above.
+        require(gate in get_args(obj.LLDSGate), "LLDS.gate", f"one of {get_args(obj.LLDSGate)}", gate)
+        require(normaliser in get_args(obj.LLDSNormaliser), "LLDS.normaliser", f"one of {get_args(obj.LLDSNormaliser)}", normaliser)
         if answer_masking is False:
             answer_masking = "off"
-        if answer_masking not in ("off", "fixed", "paper", "official"):
-            raise ValueError(f"LLDS.answer_masking must be 'off', 'fixed', 'paper' or 'official', got {answer_masking!r}")
-        if not 0.0 <= answer_beta <= 1.0:
-            raise ValueError(f"LLDS.answer_beta must be in [0, 1], got {answer_beta}")
-        if answer_coef is not None and answer_coef < 0:
-            raise ValueError(f"LLDS.answer_coef must be >= 0 or null, got {answer_coef}")
+        masking = tuple(m for m in get_args(AnswerMasking) if m != "off")
+        require(answer_masking is not True, "LLDS.answer_masking", f"one of {masking} (or 'off')", answer_masking,
+                "true is ambiguous")
+        require(answer_masking in get_args(AnswerMasking), "LLDS.answer_masking", f"one of {get_args(AnswerMasking)}", answer_masking)
+        require(0.0 <= answer_beta <= 1.0, "LLDS.answer_beta", "in [0, 1]", answer_beta)
+        require(answer_coef is None or answer_coef >= 0, "LLDS.answer_coef", ">= 0 or null", answer_coef)
         self.coef = coef
         self.gate = gate
         self.normaliser = normaliser
@@ -83,11 +80,11 @@ class LLDS(pl.Callback):
     # -- wiring -------------------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(pl_module, "add_loss_term"):
-            raise TypeError(f"LLDS needs a module with add_loss_term (GRPOModule), got {type(pl_module).__name__}")
+        require(hasattr(pl_module, "add_loss_term"), "model (for LLDS)", "a module with add_loss_term (GRPOModule)",
+                type(pl_module).__name__)
         existing = getattr(pl_module, "loss_terms", {}).get("llds")
         if existing is not None and getattr(existing, "__self__", None) is not self:
-            raise ValueError(
+            raise ConfigError(
                 "two LLDS callbacks in trainer.callbacks: compose only one of configs/llds*.yaml "
                 "(each appends its own LLDS callback)"
             )

@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight import diagnostics as diag
+from lldslight.errors import require
+from lldslight.metric_rules import reduction
 
 WarningAction = Literal["none", "stop", "checkpoint"]
 
@@ -75,10 +77,8 @@ class LLDMonitor(pl.Callback):
         plot_name: str = "lld.png",
         print_every_n_steps: int = 0,
     ) -> None:
-        if on_warning not in ("none", "stop", "checkpoint"):
-            raise ValueError(f"LLDMonitor.on_warning must be 'none', 'stop' or 'checkpoint', got {on_warning!r}")
-        if correct_set not in ("positive_advantage", "reward"):
-            raise ValueError(f"LLDMonitor.correct_set must be 'positive_advantage' or 'reward', got {correct_set!r}")
+        require(on_warning in get_args(WarningAction), "LLDMonitor.on_warning", f"one of {get_args(WarningAction)}", on_warning)
+        require(correct_set in get_args(diag.CorrectSet), "LLDMonitor.correct_set", f"one of {get_args(diag.CorrectSet)}", correct_set)
         self.measure_delta = measure_delta
         self.measure_gate = measure_gate
         self.correct_set = correct_set
@@ -113,8 +113,8 @@ class LLDMonitor(pl.Callback):
 
         step_metrics = pl_module.last_step_metrics
         value = metrics.get(self.signal, step_metrics.get(self.signal))
-        if value is None:
-            raise KeyError(f"LLDMonitor.signal={self.signal!r} is not a logged metric; try 'lld/logp_pos'")
+        require(value is not None, "LLDMonitor.signal", "a metric logged every step (an lld/* or train/* key, e.g. 'lld/logp_pos')",
+                self.signal)
         update = self.detector.update(
             value, step_metrics.get("train/grad_norm", float("nan")), step_metrics.get("train/entropy", float("nan"))
         )
@@ -124,6 +124,7 @@ class LLDMonitor(pl.Callback):
             "lld/slope": update.slope,
             "lld/phase": float(update.phase),
             "lld/warning": float(update.warning),
+            # this rank's time, not max-reduced like the other time/* keys (docs/metrics.md)
             "time/lld_monitor_s": time.perf_counter() - t0,
         })
         self.last_metrics = metrics
@@ -185,6 +186,11 @@ class LLDMonitor(pl.Callback):
 
     @staticmethod
     def _reduce(trainer, stats: dict[str, diag.SumCount]) -> dict[str, diag.SumCount]:
+        """(sum, count) pairs over ranks: a mean by metric_rules (``lld/*``, ``diag/*``), a true
+        ratio, so both parts add up before dividing."""
+        not_means = sorted(k for k in stats if reduction(k) != "mean")
+        if not_means:  # a (sum, count) pair is a mean; a rule saying otherwise is a bug here or there
+            raise RuntimeError(f"LLDMonitor: {', '.join(not_means)} are (sum, count) means, but metric_rules reduces them otherwise")
         if trainer.world_size <= 1:
             return stats
         keys = sorted(stats)

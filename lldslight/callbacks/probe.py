@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lldslight import objectives as obj
-from lldslight.errors import require
+from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
 
 
@@ -61,7 +61,7 @@ class LLDProbe(pl.Callback):
         rollout = next((c for c in trainer.callbacks if isinstance(c, SearchRollout)), None)
         datamodule = trainer.datamodule
         if rollout is None or datamodule is None or not getattr(datamodule, "train_examples", None):
-            raise RuntimeError("LLDProbe needs a SearchRollout callback and a datamodule with train_examples (SearchQADataModule)")
+            raise ConfigError("LLDProbe needs a SearchRollout callback and a datamodule with train_examples (SearchQADataModule)")
         examples = datamodule.train_examples[: self.questions]
         result = self.probe(pl_module, rollout.train_engine(pl_module), examples)
         result["step"] = step

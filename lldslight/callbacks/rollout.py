@@ -8,12 +8,13 @@ import time
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from tqdm.auto import tqdm
 
 from lldslight import evaluation
+from lldslight.distributed import reduce_over_ranks
 from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
+from lldslight.metric_rules import reduction
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
@@ -55,8 +56,8 @@ class SearchRollout(pl.Callback):
         eval_after_fit: bool = False,
         dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
     ) -> None:
-        require(eval_max_turns >= 0, "eval_max_turns", ">= 0", eval_max_turns)
-        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
+        require(eval_max_turns >= 0, "SearchRollout.eval_max_turns", ">= 0", eval_max_turns)
+        require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "SearchRollout.eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
         self.config = rollout
@@ -128,14 +129,15 @@ class SearchRollout(pl.Callback):
             traj = engine.generate(pl_module.policy, batch)
             retrieval_s = engine.stats.get("retrieval_s", 0.0)
         pl_module.receive_rollout(traj, "train", timings={"rollout_s": time.perf_counter() - t0, "retrieval_s": retrieval_s})
+        counters = {}
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
-            pl_module.log("retrieval/unavailable", float(self.retriever.unavailable_count - unavailable), on_step=True,
-                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+            counters["retrieval/unavailable"] = float(self.retriever.unavailable_count - unavailable)
         if short is not None:  # of those, answered by the open circuit breaker without a request
-            pl_module.log("retrieval/short_circuited", float(self.retriever.short_circuited_count - short), on_step=True,
-                          on_epoch=False, reduce_fx="sum", batch_size=len(batch), sync_dist=trainer.world_size > 1)
-            pl_module.log("retrieval/breaker_open", float(self.retriever.breaker_open), on_step=True, on_epoch=False,
-                          reduce_fx="max", batch_size=len(batch), sync_dist=trainer.world_size > 1)
+            counters["retrieval/short_circuited"] = float(self.retriever.short_circuited_count - short)
+            counters["retrieval/breaker_open"] = float(self.retriever.breaker_open)
+        for key, value in counters.items():  # over ranks by metric_rules: counts add up, the breaker flag is a max
+            pl_module.log(key, value, on_step=True, on_epoch=False, reduce_fx=reduction(key), batch_size=len(batch),
+                          sync_dist=trainer.world_size > 1)
 
     def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
         """Dynamic sampling (lldslight/dynamic_sampling.py): the trajectory and the
@@ -161,13 +163,12 @@ class SearchRollout(pl.Callback):
                 f"dynamic sampling at step {trainer.global_step}: after {cfg.max_rounds} extra rounds {what}. "
                 "Shown once; rollout/filled < 1 marks every such step (raise dynamic_sampling.max_rounds to sample more)."
             )
-        counts = torch.tensor([float(result.kept_groups), float(result.sampled_groups - result.kept_groups)], device=pl_module.device)
-        if trainer.world_size > 1:
-            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        # Group counts over ranks by metric_rules (they add up); rounds and filled are the same on every rank.
+        counts = {"rollout/kept_groups": float(result.kept_groups), "rollout/dropped_groups": float(result.sampled_groups - result.kept_groups)}
+        counts = reduce_over_ranks(counts, {k: reduction(k) for k in counts}, pl_module.device)
         pl_module.log_dict(
-            {"rollout/rounds": float(result.rounds), "rollout/kept_groups": float(counts[0]),
-             "rollout/dropped_groups": float(counts[1]), "rollout/filled": result.filled},
-            on_step=True, on_epoch=False, batch_size=len(result.traj), sync_dist=False,  # identical on every rank
+            {"rollout/rounds": float(result.rounds), **counts, "rollout/filled": result.filled},
+            on_step=True, on_epoch=False, batch_size=len(result.traj), sync_dist=False,  # reduced above
         )
         return result.traj, retrieval[0]
 
