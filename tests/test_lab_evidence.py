@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,40 @@ def test_committed_report_is_recomputed_from_its_metrics(collapse, name: str, tm
     assert (dst / "collapse.md").read_text() == (src / "collapse.md").read_text(), (
         f"docs/collapse_lab/{name}/collapse.md differs from its recomputation: run "
         f"`python benchmarks/collapse.py --name {name} --report-only`")
+
+
+def _arm_runs(name: str, arm: str) -> dict[int, dict]:
+    from lldslight import collapse as C
+
+    out = {}
+    for run in sorted((LAB / name / arm).glob("seed*")):
+        frame = C.read_metrics(run)
+        out[int(run.name[4:])] = C.summarise(frame[frame["train/reward"].notna()])
+    return out
+
+
+@pytest.mark.skipif(not (LAB / "final" / "grpo").is_dir(), reason="the 7e-4 primary set is not archived")
+def test_readme_lab_numbers_recomputed_independently() -> None:
+    """The README's lab sentence, recomputed from the per-step metrics with scipy's tests (not the
+    runner's own statistics code): counts, Fisher p, median collapse steps, sign test."""
+    from scipy.stats import binomtest, fisher_exact
+
+    readme = (ROOT / "README.md").read_text()
+    runs = {arm: _arm_runs("final", arm) for arm in ("grpo", "llds", "onpolicy")}
+    collapsed = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
+    n = {arm: len(r) for arm, r in runs.items()}
+    assert n == {"grpo": 5, "llds": 5, "onpolicy": 5}
+    for arm in runs:
+        assert f"**{collapsed[arm]} of {n[arm]}**" in readme
+    # One-sided: GRPO collapses more often than the other arm.
+    for arm in ("onpolicy", "llds"):
+        p = fisher_exact([[collapsed["grpo"], n["grpo"] - collapsed["grpo"]], [collapsed[arm], n[arm] - collapsed[arm]]],
+                         alternative="greater").pvalue
+        assert f"p = {p:.3f}" in readme or f"p = {p:.2f}" in readme, (arm, p)
+    # The median collapse step of the runs that collapsed (statistics.median: 4 LLDS runs -> the mean of the middle two).
+    median = {arm: statistics.median(s["step"] for s in r.values() if s["collapsed"]) for arm, r in runs.items() if collapsed[arm]}
+    assert f"median collapse step of the collapsed runs {median['llds']:g} vs {median['grpo']:g}" in " ".join(readme.split())
+    later = sum((runs["llds"][s]["step"] if runs["llds"][s]["collapsed"] else 600) > (runs["grpo"][s]["step"] if runs["grpo"][s]["collapsed"] else 600)
+                for s in runs["grpo"])
+    p_sign = binomtest(later, n["grpo"], 0.5, alternative="greater").pvalue
+    assert f"sign test p = {p_sign:.3f}" in " ".join(readme.split())
