@@ -388,8 +388,10 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
         runs.append(entry)
     arms = arm_stats(runs, baseline, horizon)
     text = table(runs, arms, labels, baseline, horizon)
-    drawable = any("error" not in r for r in runs)
-    png = (figure(runs, archive, labels, crit, archive / "collapse.png") if draw else archive / "collapse.png") if drawable else None
+    png = None
+    if any("error" not in r for r in runs):
+        # --no-figure keeps the committed figure: the table still points at it.
+        png = figure(runs, archive, labels, crit, archive / "collapse.png") if draw else archive / "collapse.png"
     (archive / "collapse.md").write_text(f"# Collapse lab: {archive.name}\n\n" + "".join(f"`{i}`\n\n" for i in meta.get("invocations") or [meta.get("invocation", "")] if i) + text
                                          + (f"\n![seeds x arms]({png.name})\n" if png else ""))
     payload = {"meta": meta, "criteria": asdict(crit), "horizon": horizon, "baseline": baseline, "arms": arms, "runs": runs}
