@@ -8,6 +8,7 @@ ranks, summary, report files) and :func:`flat_metrics` (what is logged).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,37 @@ def summarise(records: list[dict]) -> dict[str, Any]:
     return {"overall": overall, "macro": macro, "per_source": per_source}
 
 
+def paired_change(before: list[dict], after: list[dict], metric: str = "em") -> dict[str, float]:
+    """``metric`` after minus before on the questions both evaluations saw, paired by question
+    (data_source, question, golden answers; a repeated question pairs occurrence by occurrence), with
+    the paired standard error sd(d) / sqrt(n) (sample sd, n - 1). Pairing removes the spread between
+    questions, which on a small dev set is most of an unpaired error. Returns {"n", "before", "after",
+    "change", "se", "z"} (se and z are nan for n < 2; z is change / se, inf when se is 0 and change is not)."""
+    def keyed(records: list[dict]) -> dict[tuple, float]:
+        seen: dict[tuple, int] = {}
+        out: dict[tuple, float] = {}
+        for r in records:
+            key = (r["data_source"], r["question"], tuple(r["golden_answers"]))
+            seen[key] = seen.get(key, 0) + 1
+            out[key + (seen[key],)] = float(r[metric])
+        return out
+
+    b, a = keyed(before), keyed(after)
+    common = [k for k in b if k in a]
+    n = len(common)
+    nan = float("nan")
+    if n == 0:
+        return {"n": 0, "before": nan, "after": nan, "change": nan, "se": nan, "z": nan}
+    d = [a[k] - b[k] for k in common]
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else nan
+    if math.isnan(se) or (se == 0 and mean == 0):
+        z = nan
+    else:
+        z = mean / se if se > 0 else math.copysign(math.inf, mean)
+    return {"n": n, "before": sum(b[k] for k in common) / n, "after": sum(a[k] for k in common) / n, "change": mean, "se": se, "z": z}
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     head = "| data_source | n | EM | F1 | searches/q | invalid-action rate | answered |\n|---|---|---|---|---|---|---|\n"
     lines = []
@@ -93,10 +125,10 @@ def finish(records: list[dict], stage: str, trainer: Any, write: bool = True, st
     """The end of an evaluation: every rank's records gathered (a collective: call it on every rank),
     summarised, and with ``write`` reported by rank 0 as ``{stage}_step{N}.json`` / ``.md`` in the
     logger's directory; N is ``step`` (default: the trainer's global step). Returns {"stage", "step",
-    "summary"} and "report" (the markdown path)."""
+    "summary", "records"} (records: every rank's) and "report" (the markdown path)."""
     records = gather_records(records)
     step = trainer.global_step if step is None else step
-    result: dict[str, Any] = {"stage": stage, "step": step, "summary": summarise(records)}
+    result: dict[str, Any] = {"stage": stage, "step": step, "summary": summarise(records), "records": records}
     if write and trainer.is_global_zero and trainer.log_dir:
         _, md_path = write_report(result["summary"], records, trainer.log_dir, f"{stage}_step{step}")
         result["report"] = str(md_path)

@@ -180,7 +180,8 @@ class GRPOModule(pl.LightningModule):
         self.last_step_metrics: dict[str, float] = {}  # the last step's train/* metrics, reduced over ranks
         self.eval_records: list[dict] = []  # this evaluation's per-question records
         self.last_eval: dict[str, Any] = {}  # the last evaluation's result (evaluation.finish)
-        self.eval_history: dict[str, dict] = {}  # SearchRollout's before/after-fit dev summaries, by "before"/"after"
+        # SearchRollout's before/after-fit dev summaries (evaluation.summarise, plus "records"), by "before"/"after"
+        self.eval_history: dict[str, dict] = {}
         self.vetoed_updates = 0  # updates vetoed so far (update.step)
         self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
         self.rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume; Heal restores it)

@@ -85,3 +85,27 @@ def test_readme_lab_numbers_recomputed_independently() -> None:
                 for s in runs["grpo"])
     p_sign = binomtest(later, n["grpo"], 0.5, alternative="greater").pvalue
     assert f"sign test p = {p_sign:.3f}" in " ".join(readme.split())
+
+
+def _last100_mean_reward(run: Path) -> float:
+    """Mean train/reward over the last 100 logged steps, read with the csv module (not
+    lldslight/collapse.py nor benchmarks/heal_eval.py)."""
+    import csv
+    import gzip
+
+    with gzip.open(run / "metrics.csv.gz", "rt") as f:
+        rewards = {int(r["step"]): float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")}
+    last = sorted(rewards)[-100:]
+    return sum(rewards[s] for s in last) / len(last)
+
+
+@pytest.mark.skipif(not (LAB / "heal_5e-4" / "grpo_heal").is_dir(), reason="the healing comparison is not archived")
+def test_readme_healing_numbers_recomputed_independently() -> None:
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    arms = {"healed": LAB / "heal_5e-4" / "grpo_heal", "unhealed": LAB / "final_5e-4" / "grpo", "lower": LAB / "half_2.5e-4" / "grpo"}
+    seeds = (10, 11, 12)
+    mean = {k: statistics.mean(_last100_mean_reward(d / f"seed{s}") for s in seeds) for k, d in arms.items()}
+    assert f"mean reward of **{mean['healed']:.2f}** against **{mean['unhealed']:.2f}**" in readme, mean
+    assert f"(**{mean['lower']:.2f}**, no collapse in 3 of 3)" in readme, mean
+    heal = json.loads((LAB / "heal.json").read_text())
+    assert len(heal["per_seed"]) == 3

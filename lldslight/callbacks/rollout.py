@@ -219,7 +219,8 @@ class SearchRollout(pl.Callback):
         if result is None:
             return
         summary = result["summary"]
-        pl_module.eval_history[when] = summary  # RunSummary reads it
+        # RunSummary reads it; the records pair the after-fit answers with the before-fit ones.
+        pl_module.eval_history[when] = dict(summary, records=result["records"])
         for logger in trainer.loggers:
             logger.log_metrics(evaluation.flat_metrics(summary, f"val_{when}"), step=trainer.global_step)
         if trainer.is_global_zero:

@@ -11,6 +11,8 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from lldslight import evaluation
+
 
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
@@ -68,6 +70,9 @@ class RunSummary(pl.Callback):
             "dev_before": history.get("before", {}).get("overall"),
             "dev_after": history.get("after", {}).get("overall"),
             "dev_after_per_source": history.get("after", {}).get("per_source"),
+            # EM after minus before, paired by question, with its standard error (evaluation.paired_change).
+            "dev_em_change": (evaluation.paired_change(history["before"]["records"], history["after"]["records"])
+                              if "records" in history.get("before", {}) and "records" in history.get("after", {}) else None),
             # The collapse verdict of lldslight/collapse.py (reward / answered rate only, no detector).
             "collapse": self._collapse(),
             "train_reward_first_last": [
@@ -83,6 +88,10 @@ class RunSummary(pl.Callback):
             o = summary[f"dev_{when}"]
             if o:
                 lines.append(f"dev EM {when:6s} training: {o['em']:.3f}   F1 {o['f1']:.3f}   searches/question {o['searches']:.2f}   answered {o['answered']:.2f}   (n={o['n']})")
+        change = summary["dev_em_change"]
+        if change and change["n"]:
+            lines.append(f"dev EM change: {change['change']:+.3f}, paired standard error {change['se']:.3f} "
+                         f"({change['z']:+.1f} SE; n={change['n']} questions seen both times)")
         t = summary["median_step_s"]
         lines.append(
             f"steps: {summary['steps']}   median step: rollout {t['rollout_s']:.1f}s (retrieval {t['retrieval_s']:.2f}s)"
