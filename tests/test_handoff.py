@@ -248,6 +248,13 @@ def test_a_fit_sets_only_declared_attributes(tmp_path, synth_kb, bm25):
     trainer.fit(module, datamodule=data)
     assert module.update_config.updates_per_rollout == 1 and module.reference is not None  # the heal happened
     assert set(module.eval_history) == {"before", "after"} and module.last_eval  # both evaluation paths ran
+    # RunSummary's paired EM change: the same 3 dev questions before and after, differenced by hand.
+    import json
+
+    change = json.loads((tmp_path / "summary.json").read_text())["dev_em_change"]
+    before = {r["question"]: r["em"] for r in module.eval_history["before"]["records"]}
+    after = {r["question"]: r["em"] for r in module.eval_history["after"]["records"]}
+    assert change["n"] == len(before) == 3 and change["change"] == sum(after[q] - before[q] for q in before) / 3
     # The hand-off and reconfigure_update run in module.py; Heal's rollback sets these from heal.py.
     assert {"rng_after_step", "reference"} <= {name for _, name in SET}, SET
     undeclared = sorted({f"{where}: {name}" for where, name in SET if name not in declared})
