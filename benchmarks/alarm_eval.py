@@ -39,11 +39,8 @@ def load_runs(dirs: list[str]) -> list[dict]:
     """Each archived run under the given directories: its training frame and collapse verdict."""
     runs = []
     for d in dirs:
-        for path in sorted(Path(d).glob("*/seed*")):
-            if not (path / "metrics.csv.gz").is_file() and not (path / "metrics.csv").is_file():
-                continue
-            frame = C.read_metrics(path)
-            frame = frame[frame["train/reward"].notna()]
+        for path in C.archived_runs(d, "*/seed*"):
+            frame = C.training_rows(C.read_metrics(path))
             s = C.summarise(frame)
             runs.append({"run": str(path), "frame": frame, "steps": len(frame), "collapsed": s["collapsed"], "collapse": s["step"]})
     return runs

@@ -235,7 +235,7 @@ def summarise_archive(path: Path, crit: C.CollapseCriteria, horizon: int) -> dic
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
     out = {"dev_em_before": (summary.get("dev_before") or {}).get("em"), "dev_em_after": (summary.get("dev_after") or {}).get("em"),
            "wall_time_s": summary.get("wall_time_s")}
-    train = frame[frame["train/reward"].notna()] if "train/reward" in frame.columns else frame.iloc[:0]
+    train = C.training_rows(frame)
     train = train[train.index < horizon]
     out.update(C.summarise(train, crit, FINAL_WINDOW))
     time_, collapsed = C.time_to_collapse(out, horizon)
@@ -347,8 +347,7 @@ def figure(runs: list[dict], archive: Path, labels: dict[str, str], crit: C.Coll
     for j, arm in enumerate(arms):
         axes[0][j].set_title(labels.get(arm, arm), fontsize=9)
         for r in (r for r in runs if r["arm"] == arm and "error" not in r):
-            frame = C.read_metrics(archive / arm / f"seed{r['seed']}")
-            frame = frame[frame["train/reward"].notna()]
+            frame = C.training_rows(C.read_metrics(archive / arm / f"seed{r['seed']}"))
             colour = colours[seeds.index(r["seed"]) % len(colours)]
             for i, (_, col) in enumerate(rows):
                 values = C.column(frame, col)

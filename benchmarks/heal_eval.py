@@ -30,11 +30,9 @@ def load(directory: Optional[str]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     if directory is None:
         return out
-    for path in sorted(Path(directory).glob("seed*")):
-        if not (path / "metrics.csv.gz").is_file() and not (path / "metrics.csv").is_file():
-            continue
+    for path in C.archived_runs(directory):
         frame = C.read_metrics(path)
-        train = frame[frame["train/reward"].notna()]
+        train = C.training_rows(frame)
         out[int(path.name[4:])] = {"frame": frame, "train": train, "summary": C.summarise(train), "path": str(path)}
     return out
 

@@ -203,6 +203,20 @@ def read_metrics(path) -> "pandas.DataFrame":
     return frame.dropna(subset=["step"]).groupby("step", sort=True).first()
 
 
+def training_rows(frame) -> "pandas.DataFrame":
+    """The steps of a :func:`read_metrics` frame that trained (a train/reward logged); none when the
+    run logged no reward."""
+    return frame[frame["train/reward"].notna()] if "train/reward" in frame.columns else frame.iloc[:0]
+
+
+def archived_runs(directory, pattern: str = "seed*") -> list:
+    """The run directories under ``directory`` matching ``pattern`` that hold a metrics.csv or
+    metrics.csv.gz (the lab's archive layout: ``<arm>/seed<S>/``), sorted."""
+    from pathlib import Path
+
+    return [p for p in sorted(Path(directory).glob(pattern)) if (p / "metrics.csv.gz").is_file() or (p / "metrics.csv").is_file()]
+
+
 def column(frame, name: str) -> Optional[list[float]]:
     """A frame's column as floats (None when the run did not log it)."""
     if name not in getattr(frame, "columns", ()):

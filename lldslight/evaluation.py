@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,8 @@ def paired_change(before: list[dict], after: list[dict], metric: str = "em") -> 
     if n == 0:
         return {"n": 0, "before": nan, "after": nan, "change": nan, "se": nan, "z": nan}
     d = [a[k] - b[k] for k in common]
-    mean = sum(d) / n
-    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5 if n > 1 else nan
+    mean = statistics.fmean(d)
+    se = statistics.stdev(d) / math.sqrt(n) if n > 1 else nan
     if math.isnan(se) or (se == 0 and mean == 0):
         z = nan
     else:
