@@ -523,6 +523,17 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             # peft stores the adapter in the base's dtype, then (autocast_adapter_dtype) upcasts a
             # bf16 one to fp32: wanted under bf16-mixed, not under bf16-true.
             model = get_peft_model(model, lora, autocast_adapter_dtype=arith.trainable == torch.float32)
+        if arith.autocast is not None:
+            # peft casts a layer's input to the adapter's dtype (bf16 -> fp32) and autocast casts it
+            # straight back at the adapter's matmul: an exact round trip, two copies per adapted
+            # layer and forward (sampler and trainer alike; ~420 per decode step with LoRA on every
+            # linear). peft's own switch (peft.helpers.disable_input_dtype_casting) turns it off;
+            # every forward runs under precision_autocast, so the arithmetic is unchanged.
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in model.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.cast_input_dtype_enabled = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._lldslight_arithmetic = arith  # read by precision_autocast (trainer and sampler)

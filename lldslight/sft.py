@@ -41,7 +41,7 @@ from torch import Tensor
 from lldslight.data.example import QAExample
 from lldslight.errors import ArgumentParser, ConfigError
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_dtype, save_merged
+from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, model_arithmetic, save_merged
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import Layout, format_observation, observation_ids, pack, prompt_token_ids
@@ -188,7 +188,7 @@ def warm_start(
 ) -> dict:
     """Train on gold trajectories and save the merged model to ``out``, with the summary and
     ``meta`` in its lldslight_export.json; returns the summary."""
-    policy = policy or PolicyConfig(dtype="float32", lora=LoRAConfig(r=16, alpha=32))
+    policy = policy or PolicyConfig(precision="fp32", lora=LoRAConfig(r=16, alpha=32))
     gold = gold or GoldConfig()
     out = Path(out)
     pl.seed_everything(seed, verbose=False)
@@ -223,10 +223,17 @@ def warm_start(
         "batch_size": batch_size, "lr": lr, "seed": seed, "steps": trainer.global_step,
         "final_loss": final_loss, "seconds": round(seconds, 1), **stats,
     }
-    # The dtype the policy trained in ("auto": bfloat16 on CUDA, float32 on CPU), as load_policy chose it.
-    save_merged(module.policy.cpu(), module.tokenizer, out, resolve_dtype(policy.dtype), {"warm_start": summary, **(meta or {})})
+    # Saved in the dtype the policy trained in (as "auto" resolved on this machine: fp32 -> float32, bf16 -> bfloat16).
+    dtype = torch.float32 if model_arithmetic(module.policy).precision == "fp32" else torch.bfloat16
+    save_merged(module.policy.cpu(), module.tokenizer, out, dtype, {"warm_start": summary, **(meta or {})})
     print(f"[lldslight] sft: {trainer.global_step} steps in {seconds:.0f} s, final loss {final_loss:.3f} -> {out}", flush=True)
     return summary
+
+
+def _cache_key(request: dict) -> dict:
+    """A warm-start request without the policy's deprecated ``dtype`` (its ``precision`` holds what
+    it meant): warm starts made when --dtype float32 was the default stay cached."""
+    return {**request, "policy": {k: v for k, v in request.get("policy", {}).items() if k != "dtype"}}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -260,7 +267,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep-unanswerable", action="store_true", help="also train on examples whose answer was not retrieved")
     parser.add_argument("--random-init", type=json.loads, default=None, metavar="JSON",
                         help='build --model\'s architecture with these config changes and random weights (tests), e.g. \'{"num_hidden_layers": 2}\'')
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "bf16-true", "auto"],
+                        help="the warm start's arithmetic, as policy.precision (docs/precision.md); fp32 by default, "
+                             "so the weights it saves do not depend on the CPU")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "auto"], help="deprecated: use --precision")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-template", default=None,
                         help="user prompt with one {question} (default: Search-R1's); must equal the fit config's data.prompt_template")
@@ -268,7 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     lora = LoRAConfig(r=args.lora_r, alpha=2 * args.lora_r) if args.lora_r > 0 else None
-    policy = PolicyConfig(model=args.model, dtype=args.dtype, lora=lora, random_init=args.random_init)
+    precision = {"precision": args.precision} if args.dtype is None else {"dtype": args.dtype}  # --dtype warns, mapped
+    policy = PolicyConfig(model=args.model, lora=lora, random_init=args.random_init, **precision)
     gold = GoldConfig(topk=args.topk, max_obs_tokens=args.max_obs_tokens, max_searches=args.max_searches,
                       over_budget=args.over_budget, require_answer_in_context=not args.keep_unanswerable)
     request = {"data": args.data, "corpus": args.corpus, "index": args.index, "retriever_url": args.retriever_url, "limit": args.limit,
@@ -282,7 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             done = json.loads(marker.read_text()).get("request")
         except json.JSONDecodeError:
             done = None
-        if done == request:
+        if done is not None and _cache_key(done) == _cache_key(request):
             print(f"[lldslight] sft: {args.out} already holds this warm start (--force to retrain)")
             return 0
     from lldslight.data.formats import DataFormatError

@@ -193,6 +193,39 @@ def test_bf16_sampling_does_not_fold_the_adapter():
         assert not torch.equal(layer.base_layer.weight.data, base)  # fp32: folded, as before
 
 
+def test_bf16_mixed_skips_peft_input_casts_without_changing_the_arithmetic():
+    """Under bf16-mixed peft's cast of a layer's input to the fp32 adapter is switched off (autocast
+    casts it back at the adapter's matmul): the logits and every adapter gradient equal peft's own
+    default path (casts on) bit for bit, with a non-zero adapter so the adapter path counts."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lldslight.policy import precision_autocast
+
+    model, _ = load_policy(_config("bf16-mixed"))
+    adapted = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert adapted and not any(m.cast_input_dtype_enabled for m in adapted)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+
+    def logits_and_grads(casts: bool):
+        for m in adapted:
+            m.cast_input_dtype_enabled = casts
+        model.zero_grad()
+        with precision_autocast(model):
+            logits = model(input_ids=ids).logits.float()
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ours, ours_grads = logits_and_grads(False)
+    peft_default, peft_grads = logits_and_grads(True)
+    assert torch.equal(ours, peft_default)
+    assert ours_grads.keys() == peft_grads.keys() and all(torch.equal(ours_grads[n], peft_grads[n]) for n in ours_grads)
+    assert any(g.abs().sum() > 0 for g in ours_grads.values())
+
+
 # -- "auto" ------------------------------------------------------------------------------------------
 
 

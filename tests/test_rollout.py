@@ -314,3 +314,29 @@ def test_attention_without_custom_masks_is_refused(tiny_policy, bm25, protocol_e
             _engine(tok, bm25).generate(model, protocol_examples)
     finally:
         config._attn_implementation = before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, [2, 0]])
+def test_ragged_cache_writes_each_row_at_its_own_position(dtype, rows):
+    """The cache's write (index_put, for every slot or some) against a hand-written loop: token j of
+    slot s lands at position at[b, j] of that slot and nowhere else; the returned keys are the
+    slots' first kv_len positions."""
+    from lldslight.rollout.cache import _RaggedCache
+
+    S, H, D = 3, 2, 4
+    cache = _RaggedCache()
+    cache.prepare(torch.tensor([[0, 1], [0, 1], [0, 1]]), None, 2)
+    first = torch.randn(S, H, 2, D).to(dtype)
+    cache.update(first, -first, 0)
+    slots = list(range(S)) if rows is None else rows
+    at = torch.tensor([[2 + b] for b in range(len(slots))])  # [B, 1]: each row at its own length
+    cache.prepare(at, None if rows is None else torch.tensor(rows), 2 + len(slots))
+    new = torch.randn(len(slots), H, 1, D).to(dtype)
+    k, v = cache.update(new, -new, 0)
+    want = torch.zeros(S, H, cache.capacity, D, dtype=dtype)
+    want[:, :, :2] = first
+    for b, s in enumerate(slots):
+        want[s, :, int(at[b, 0])] = new[b, :, 0]
+    assert torch.equal(cache.k[0], want) and torch.equal(cache.v[0], -want)
+    assert torch.equal(k, want[slots, :, : 2 + len(slots)]) and torch.equal(v, -want[slots, :, : 2 + len(slots)])

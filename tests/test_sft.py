@@ -162,3 +162,32 @@ def test_sft_command_is_idempotent_and_reports_empty_sets(synth_kb, tmp_path, ca
     assert (out / "model.safetensors").stat().st_mtime_ns == first
     assert main(args + ["--limit", "5"]) == 0  # a different request trains again
     assert (out / "model.safetensors").stat().st_mtime_ns != first
+
+
+def test_sft_precision_flag_and_warm_starts_made_under_dtype_stay_cached(synth_kb, tmp_path, capsys, recwarn):
+    """--precision replaces --dtype: no deprecation warning by default; a warm start recorded by
+    the old default (--dtype float32) is still recognised; bf16-mixed saves bfloat16 weights."""
+    from safetensors import safe_open
+
+    from conftest import TINY_DIMS
+    from lldslight.sft import main
+
+    out = tmp_path / "ws"
+    args = ["--data", str(synth_kb["train_jsonl"]), "--corpus", str(synth_kb["corpus"]), "--out", str(out), "--limit", "4",
+            "--random-init", json.dumps(TINY_DIMS), "--topk", "1", "--max-searches", "1", "--lora-r", "4"]
+    assert main(args) == 0
+    assert not [str(w.message) for w in recwarn if "policy.dtype is deprecated" in str(w.message)]
+    marker = out / "lldslight_export.json"
+    meta = json.loads(marker.read_text())
+    assert meta["request"]["policy"]["precision"] == "fp32" and meta["request"]["policy"]["dtype"] is None
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    meta["request"]["policy"]["dtype"] = "float32"  # as the old default wrote it
+    marker.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "already holds this warm start" in capsys.readouterr().out
+
+    assert main(args + ["--precision", "bf16-mixed"]) == 0  # another arithmetic: trained again
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}

@@ -1,0 +1,175 @@
+"""A bf16 decode step before and after two changes, measured side by side in one process.
+
+    python benchmarks/decode_ops.py --json docs/decode_ops.json
+    python benchmarks/decode_ops.py --precision fp32 --threads 2
+
+The two changes (2026-12-02), both exact (the same tensors come out):
+
+- the ragged KV cache writes new keys and values with ``index_put`` instead of ``scatter_``
+  (lldslight/rollout/cache.py): on this CPU torch 2.13's bf16 ``scatter_`` is far slower than
+  fp32's at the decode shape;
+- under ``bf16-mixed`` peft no longer casts each adapted layer's input to fp32 (autocast casts it
+  straight back at the adapter's matmul; lldslight/policy.py sets peft's ``cast_input_dtype_enabled``
+  off).
+
+"previous" puts both back (a cache that writes with ``scatter_``, peft's casts on); "current" is
+the library as it is. Both decode the same random tokens from the same prefilled cache:
+SmolLM2-135M-Instruct with LoRA r=16 on every linear layer (as benchmarks/step.py), ``--rows`` rows
+at ``--context`` tokens of context, ``--steps`` 1-token steps per run, under the sampler's
+``sampling_weights`` (autocast, the adapter path). The cache-write table times one layer's write
+of one token per row, per dtype, on its own. Runs alternate (benchmarks/harness.py: load recorded,
+busy runs repeated, medians [min-max]).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+if __package__:
+    from . import harness
+else:
+    import harness
+
+
+def cache_write_us(dtype, rows: int, kv_heads: int, head_dim: int, capacity: int, repeats: int = 400) -> dict[str, float]:
+    """Microseconds per call of each way to write one token per row into a [rows, kv_heads, capacity, head_dim] buffer."""
+    import torch
+
+    buf = torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype)
+    new = torch.randn(rows, kv_heads, 1, head_dim).to(dtype)  # [rows, kv_heads, 1, head_dim]
+    at = torch.full((rows, 1), capacity // 2)
+    index = at[:, None, :, None].expand(new.shape)
+    slots = torch.arange(rows)
+
+    def scatter():
+        buf.scatter_(2, index, new)
+
+    def index_put():
+        buf[slots[:, None], :, at] = new.transpose(1, 2)
+
+    out = {}
+    for name, fn in (("scatter_", scatter), ("index_put", index_put)):
+        for _ in range(20):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        out[name] = (time.perf_counter() - t0) / repeats * 1e6
+    scatter(), index_put()  # the same element written both ways: identical buffers
+    return out
+
+
+def previous_cache_class():
+    """The cache as it was: ``scatter_`` when every slot takes part."""
+    from lldslight.rollout.cache import _RaggedCache
+
+    class ScatterCache(_RaggedCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if self.rows is not None:
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if layer_idx == len(self.k):
+                shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
+                self.k.append(key_states.new_zeros(shape))
+                self.v.append(value_states.new_zeros(shape))
+            if self.k[layer_idx].shape[2] < self.capacity:
+                self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
+            k, v = self.k[layer_idx], self.v[layer_idx]
+            index = self.at[:, None, :, None].expand(key_states.shape)  # [S, kv_heads, q, head_dim]
+            k.scatter_(2, index, key_states)
+            v.scatter_(2, index, value_states)
+            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
+
+    return ScatterCache
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed"])
+    p.add_argument("--rows", type=int, default=8, help="decode batch (benchmarks/step.py: 2 prompts x G=4)")
+    p.add_argument("--context", type=int, default=200, help="tokens already in each row's cache")
+    p.add_argument("--steps", type=int, default=32, help="1-token decode steps per timed run")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    harness.add_arguments(p)
+    args = p.parse_args(argv)
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, sampling_weights
+    from lldslight.rollout.cache import _Decoder
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, _ = load_policy(PolicyConfig(precision=args.precision, lora=LoRAConfig(r=16, alpha=32)))
+    model.eval()
+    adapted = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    current_casts = adapted[0].cast_input_dtype_enabled
+    cfg = model.config
+    S, P = args.rows, args.context
+    prompt = torch.randint(100, cfg.vocab_size - 100, (S, P))  # [S, P]
+    fed = torch.randint(100, cfg.vocab_size - 100, (args.steps, S, 1))  # [steps, S, 1]
+    ScatterCache = previous_cache_class()
+
+    def decode(side: str) -> tuple[dict, "torch.Tensor"]:
+        for layer in adapted:
+            layer.cast_input_dtype_enabled = True if side == "previous" else current_casts
+        dec = _Decoder(model)
+        if side == "previous":
+            dec.cache = ScatterCache()
+        with torch.no_grad(), sampling_weights(model):
+            dec(prompt, torch.arange(P).expand(S, P), P)
+            t0 = time.perf_counter()
+            for t in range(args.steps):
+                logits = dec.logits(dec(fed[t], torch.full((S, 1), P + t), P + t + 1)[:, -1])  # [S, V]
+            wall = time.perf_counter() - t0
+        return {"ms_per_step": wall / args.steps * 1e3, "steps": args.steps}, logits
+
+    _, prev_logits = decode("previous")  # warm-up, and the two sides' outputs compared
+    _, cur_logits = decode("current")
+    max_diff = (prev_logits - cur_logits).abs().max().item()
+
+    def run(side):
+        with harness.LoadMeter() as m:
+            figures, _ = decode(side)
+        return figures, m.record
+
+    policy = harness.policy_from_args(args)
+    attempts = harness.alternate(["previous", "current"], run, args.rounds, policy,
+                                 describe=lambda side, m: f"{m['ms_per_step']:.1f} ms/step;")
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // heads
+    writes = {str(dt).replace("torch.", ""): cache_write_us(dt, S, kv_heads, head_dim, P + 64) for dt in (torch.float32, torch.bfloat16)}
+    report = {
+        "config": {k: getattr(args, k) for k in ("precision", "rows", "context", "steps", "rounds", "threads", "seed")}
+                  | {"model": "SmolLM2-135M-Instruct", "lora": "r=16 on every linear layer", "torch": torch.__version__},
+        "sides": {s: harness.side_summary(attempts, s, ["ms_per_step"]) for s in ("previous", "current")},
+        "ratio": harness.ratio_summary(attempts, "current", "previous", "ms_per_step"),
+        "max_abs_logit_difference": max_diff,
+        "cache_write_us": writes,
+        "quiet": harness.quiet_summary(attempts, policy),
+        "attempts": [a.to_dict() for a in attempts],
+    }
+    prev, cur = (report["sides"][s]["ms_per_step"] for s in ("previous", "current"))
+    print(f"\nDecode step, SmolLM2-135M-Instruct {args.precision} + LoRA r=16 (every linear), {S} rows at {P} tokens of context, "
+          f"{args.threads} thread(s); medians [min-max] of {args.rounds} alternating rounds of {args.steps} steps")
+    print("| side | ms per decode step |\n|---|---|")
+    print(f"| previous (scatter_ cache writes, peft input casts) | {harness.fmt_spread(prev, '{:.1f}')} |")
+    print(f"| current | {harness.fmt_spread(cur, '{:.1f}')} |")
+    r = report["ratio"]
+    print(f"current / previous: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
+          f"largest logit difference between the sides after {args.steps} steps: {max_diff:.3g}")
+    print("\n| cache write, one layer, one token per row (us per call) | scatter_ | index_put |\n|---|---|---|")
+    for dt, w in writes.items():
+        print(f"| {dt} | {w['scatter_']:.1f} | {w['index_put']:.1f} |")
+    print(harness.quiet_line(report["quiet"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
