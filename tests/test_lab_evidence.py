@@ -87,6 +87,30 @@ def test_readme_lab_numbers_recomputed_independently() -> None:
     assert f"sign test p = {p_sign:.3f}" in " ".join(readme.split())
 
 
+@pytest.mark.skipif(not (LAB / "final_5e-4" / "llds").is_dir(), reason="the 5e-4 primary set is not archived")
+def test_readme_5e4_numbers_recomputed_independently() -> None:
+    """The README's 5e-4 sentence from the per-step metrics: collapse counts, scipy's one-sided
+    Fisher p, and the last-100 rewards (csv module) with their exact paired permutation p."""
+    import itertools
+
+    from scipy.stats import fisher_exact
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    runs = {arm: _arm_runs("final_5e-4", arm) for arm in ("grpo", "llds")}
+    assert {arm: sorted(r) for arm, r in runs.items()} == {"grpo": [10, 11, 12, 13, 14], "llds": [10, 11, 12, 13, 14]}
+    k = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
+    assert f"GRPO collapsed in {k['grpo']} of 5 seeds and GRPO + LLDS in {k['llds']} of 5" in readme
+    p = fisher_exact([[k["grpo"], 5 - k["grpo"]], [k["llds"], 5 - k["llds"]]], alternative="greater").pvalue
+    assert f"Fisher p = {p:.3f}" in readme
+    last = {arm: {s: _last100_mean_reward(LAB / "final_5e-4" / arm / f"seed{s}") for s in range(10, 15)} for arm in runs}
+    mean = {arm: statistics.fmean(v.values()) for arm, v in last.items()}
+    assert f"last-100 reward {mean['llds']:.2f} vs {mean['grpo']:.2f}" in readme
+    d = [last["llds"][s] - last["grpo"][s] for s in range(10, 15)]
+    flips = [sum(x * f for x, f in zip(d, signs)) for signs in itertools.product((1, -1), repeat=5)]
+    p_perm = sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)
+    assert f"paired permutation p = {p_perm:.3f}" in readme
+
+
 def _last100_mean_reward(run: Path) -> float:
     """Mean train/reward over the last 100 logged steps, read with the csv module (not
     lldslight/collapse.py nor benchmarks/heal_eval.py)."""
@@ -109,3 +133,13 @@ def test_readme_healing_numbers_recomputed_independently() -> None:
     assert f"(**{mean['lower']:.2f}**, no collapse in 3 of 3)" in readme, mean
     heal = json.loads((LAB / "heal.json").read_text())
     assert len(heal["per_seed"]) == 3
+
+
+@pytest.mark.skipif(not (LAB / "alarm.json").is_file(), reason="the alarm validation is not archived")
+def test_readme_alarm_numbers_are_the_validation_json() -> None:
+    """The README's alarm sentence quotes docs/collapse_lab/alarm.json's held-out score at the
+    calibrated h (benchmarks/alarm_eval.py writes it from the archives)."""
+    t = json.loads((LAB / "alarm.json").read_text())["test_at_chosen_h"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"warned {t['warned_in_time']} of {t['collapses']} held-out collapses 20+ steps ahead, with "
+            f"{t['false_per_1000']:.1f} false alarms per 1,000 steps on the {t['quiet_runs']} runs that did not collapse") in readme
