@@ -22,14 +22,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("lldslight/trajectory.py", "Trajectory.concat"): (2, "parts built by code, not by a user: a bug keeps its traceback"),
     ("lldslight/trajectory.py", "Trajectory.check"): (5, "the Trajectory contract's invariants: a bug in the code that built it"),
 }
-# Not converted yet (files another change owns): allowed up to these counts until they move to
-# require(); a site that goes away needs no edit here.
-PENDING: dict[tuple[str, str], int] = {
-    ("lldslight/callbacks/dynamic_sampling.py", "DynamicSampling.setup"): 2,
-    ("lldslight/callbacks/llds.py", "LLDS.__init__"): 7,
-    ("lldslight/callbacks/llds.py", "LLDS.setup"): 1,
-    ("lldslight/callbacks/monitor.py", "LLDMonitor.__init__"): 2,
-}
 
 
 def value_error_sites(source: str) -> list[tuple[str, int]]:
@@ -64,7 +56,7 @@ def test_no_hand_written_value_error_outside_the_allow_list():
     sites = _scan()
     bad = []
     for key, lines in sorted(sites.items()):
-        allowed = ALLOWED[key][0] if key in ALLOWED else PENDING.get(key, 0)
+        allowed = ALLOWED[key][0] if key in ALLOWED else 0
         if len(lines) > allowed:
             bad.append(f"{key[0]}:{','.join(map(str, lines))} ({key[1]}): {len(lines)} raise ValueError, {allowed} allowed")
     assert not bad, ("use lldslight.errors.require()/require_choice() for a setting or argument check "
