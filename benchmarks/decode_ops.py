@@ -69,13 +69,7 @@ def previous_cache_class():
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if self.rows is not None:
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            if layer_idx == len(self.k):
-                shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
-                self.k.append(key_states.new_zeros(shape))
-                self.v.append(value_states.new_zeros(shape))
-            if self.k[layer_idx].shape[2] < self.capacity:
-                self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
-            k, v = self.k[layer_idx], self.v[layer_idx]
+            k, v = self.buffers(key_states, value_states, layer_idx)
             index = self.at[:, None, :, None].expand(key_states.shape)  # [S, kv_heads, q, head_dim]
             k.scatter_(2, index, key_states)
             v.scatter_(2, index, value_states)

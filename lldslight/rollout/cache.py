@@ -42,6 +42,7 @@ class _RaggedCache(DynamicCache):
         self.at: Optional[Tensor] = None  # [B, q] positions of its new tokens
         self.kv_len = 0
         self.capacity = 0
+        self._every_slot: Optional[Tensor] = None  # [S]: the slots, when a forward writes them all
 
     def prepare(self, at: Tensor, rows: Optional[Tensor], kv_len: int) -> None:
         """Set up the next forward: keys 0..kv_len-1 (kv_len > every position in ``at``; the
@@ -50,19 +51,29 @@ class _RaggedCache(DynamicCache):
         if self.kv_len > self.capacity:
             self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
+    def buffers(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer_idx``'s key and value buffers [S, kv_heads, C, head_dim], allocated at its
+        first forward (S = that forward's rows: the prefill's) and grown to the capacity."""
         if layer_idx == len(self.k):
             shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
             self.k.append(key_states.new_zeros(shape))
             self.v.append(value_states.new_zeros(shape))
         if self.k[layer_idx].shape[2] < self.capacity:
             self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        # Written by index_put, not scatter_: on CPU, torch 2.13's bf16 scatter_ takes ~30x as long
-        # as index_put here (0.93 ms against 0.03 ms per call at 8 slots; fp32 0.03 vs 0.04 ms),
-        # which was ~30% of a bf16 decode step (benchmarks/decode_ops.py).
-        rows = self.rows if self.rows is not None else torch.arange(k.shape[0], device=k.device)  # [B]
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        # key_states, value_states: [B, kv_heads, q, head_dim] for the slots in self.rows
+        k, v = self.buffers(key_states, value_states, layer_idx)
+        # Written by index_put, not scatter_: on this CPU torch 2.13's bf16 scatter_ takes ~20x as
+        # long as index_put at the decode shape (206 us against 9.6 us per call at 8 slots, 1 thread;
+        # fp32 5.3 vs 9.1 us; benchmarks/decode_ops.py, docs/speed.md).
+        if self.rows is not None:
+            rows = self.rows  # [B]
+        else:  # every slot: one arange per slot count, not one per layer and step
+            if self._every_slot is None or len(self._every_slot) != k.shape[0]:
+                self._every_slot = torch.arange(k.shape[0], device=k.device)
+            rows = self._every_slot
         k[rows[:, None], :, self.at] = key_states.transpose(1, 2)  # indexed as [B, q, kv_heads, head_dim]
         v[rows[:, None], :, self.at] = value_states.transpose(1, 2)
         if self.rows is None:  # every slot: attend over views (no copy)
