@@ -106,3 +106,31 @@ def test_cli_synth_from_a_fit_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     (tmp_path / "bad.yaml").write_text("data: {batch_size: 2}\n")
     assert data_main(["synth", "--config", str(tmp_path / "bad.yaml")]) == 2
     assert "bad.yaml: data.synthesize must be a mapping with an out_dir, got None" in capsys.readouterr().err
+
+
+def test_two_processes_synthesising_the_same_directory_at_once(kb: dict[str, Path], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab builds its two warm-start policies side by side, and both synthesise the same data.
+    A second process runs the whole synthesis to completion while the first is between writing its
+    temporary corpus and renaming it: with shared temporary names the first one's rename fails."""
+    import subprocess
+    import sys
+
+    import lldslight.data.synth as synth
+
+    out = tmp_path / "shared"
+    write = synth.write_corpus_jsonl
+    calls = []
+
+    def write_then_let_another_process_finish(corpus, path):  # type: ignore[no-untyped-def]
+        write(corpus, path)
+        if not calls:
+            calls.append(path)
+            code = f"from lldslight.data import synthesize; synthesize({str(out)!r}, seed=0, entities=100, dev=30, test=30)"
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+    monkeypatch.setattr(synth, "write_corpus_jsonl", write_then_let_another_process_finish)
+    synthesize(out, seed=0, entities=100, dev=30, test=30)
+    assert calls, "the interleaving under test did not happen"
+    assert _bytes(out) == _bytes(kb["manifest"].parent)  # both finished, and the files are whole
+    assert not list(out.glob("*.tmp"))

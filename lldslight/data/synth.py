@@ -554,7 +554,9 @@ def synthesize(
 
     out.mkdir(parents=True, exist_ok=True)
     paths["manifest"].unlink(missing_ok=True)
-    tmp = {k: p.with_name(p.name + ".tmp") for k, p in paths.items()}
+    # Per-process names: two jobs that synthesise the same data at once (the lab builds its two
+    # warm-start policies side by side) would otherwise rename each other's half-written files.
+    tmp = {k: p.with_name(f"{p.name}.{os.getpid()}.tmp") for k, p in paths.items()}
     write_corpus_jsonl(corpus, tmp["corpus"])
     for s in SPLITS:
         write_searchr1_parquet(splits[s], tmp[s])
