@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lldslight.errors import require
+from lldslight.metric_rules import REDUCTIONS
 from lldslight.policy import causal_lm
 
 T = TypeVar("T")
@@ -188,17 +189,23 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: torch.device) -> dict[str, float]:
-    """``values`` reduced over ranks by their kind ("sum", "max" or "mean"): one all-reduce per kind.
-    Every rank must pass the same keys."""
+    """``values`` reduced over ranks by their kind (``metric_rules.REDUCTIONS``: "sum", "max", "mean"
+    or "min"): one all-reduce per kind. Every rank must pass the same keys. A key without a kind,
+    or with another kind, is refused on every rank alike (before any collective, so no rank hangs
+    waiting for another that raised) rather than logged unreduced."""
+    bad = {k: kinds.get(k) for k in values if kinds.get(k) not in REDUCTIONS}
+    if bad:
+        raise ValueError(f"reduce_over_ranks: no reduction {REDUCTIONS} for {bad} (lldslight/metric_rules.py names them)")
     if world_size() == 1:
         return dict(values)
     out = dict(values)
-    for kind, op in (("sum", "SUM"), ("mean", "SUM"), ("max", "MAX")):
+    ops = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+    for kind in REDUCTIONS:
         keys = sorted(k for k in values if kinds[k] == kind)
         if not keys:
             continue
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op))
+        torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, ops[kind]))
         if kind == "mean":
             t = t / world_size()
         out.update(zip(keys, t.tolist()))
