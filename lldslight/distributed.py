@@ -194,8 +194,8 @@ def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: t
     or with another kind, is refused on every rank alike (before any collective, so no rank hangs
     waiting for another that raised) rather than logged unreduced."""
     bad = {k: kinds.get(k) for k in values if kinds.get(k) not in REDUCTIONS}
-    if bad:
-        raise ValueError(f"reduce_over_ranks: no reduction {REDUCTIONS} for {bad} (lldslight/metric_rules.py names them)")
+    require(not bad, "reduce_over_ranks: every key's reduction", f"one of {REDUCTIONS}", bad,
+            "lldslight/metric_rules.py names them")
     if world_size() == 1:
         return dict(values)
     out = dict(values)
