@@ -79,6 +79,20 @@ def first_vs_last(run: Path, steps: int) -> dict:
     return {"steps": steps, "first": statistics.fmean(a), "last": statistics.fmean(b), "change": diff, "se": se, "z": diff / se}
 
 
+def by_question_type(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per ``data_source`` (1-hop, 2-hop, comparison, ...): the paired EM change and the searches
+    per question before and after. Where EM moves and where it cannot: a policy that never makes a
+    second search cannot answer a 2-hop question however sharp it gets."""
+    out = []
+    for source in sorted({r["data_source"] for r in before}):
+        b = [r for r in before if r["data_source"] == source]
+        a = [r for r in after if r["data_source"] == source]
+        out.append({"data_source": source, **paired_change(b, a),
+                    "searches_before": statistics.fmean(r["searches"] for r in b),
+                    "searches_after": statistics.fmean(r["searches"] for r in a) if a else float("nan")})
+    return out
+
+
 def curve(run: Path, block: int = 10, compare: int = 20) -> dict:
     evals = evaluations(run)
     before = evals[0][1]
@@ -86,7 +100,9 @@ def curve(run: Path, block: int = 10, compare: int = 20) -> dict:
     for step, records in evals[1:]:
         c = paired_change(before, records)
         dev.append({"step": step, **c, "answered": statistics.fmean(r["answered"] for r in records)})
-    return {"run": str(run), "dev": dev, "train": training_blocks(run, block), "train_first_vs_last": first_vs_last(run, compare)}
+    last_step, last = evals[-1]
+    return {"run": str(run), "dev": dev, "dev_by_type": {"step": last_step, "types": by_question_type(before, last)},
+            "train": training_blocks(run, block), "train_first_vs_last": first_vs_last(run, compare)}
 
 
 def archive(run: Path, out: Path) -> None:
@@ -114,6 +130,11 @@ def main(argv=None) -> int:
     print("| dev evaluation after step | EM before -> after (n) | paired change (SE) | z | answered |\n|---|---|---|---|---|")
     for d in c["dev"]:
         print(f"| {d['step']} | {d['before']:.3f} -> {d['after']:.3f} ({d['n']}) | {d['change']:+.3f} ({d['se']:.3f}) | {d['z']:.2f} | {d['answered']:.2f} |")
+    t = c["dev_by_type"]
+    print(f"\n| question type | EM before -> after step {t['step']} (n) | paired change (SE) | searches / question |\n|---|---|---|---|")
+    for d in t["types"]:
+        print(f"| {d['data_source']} | {d['before']:.3f} -> {d['after']:.3f} ({d['n']}) | {d['change']:+.3f} ({d['se']:.3f}) | "
+              f"{d['searches_before']:.2f} -> {d['searches_after']:.2f} |")
     print("\n| training steps | sampled EM | answered | entropy (nats/token) |\n|---|---|---|---|")
     for t in c["train"]:
         print(f"| {t['steps']} | {t['em']:.3f} | {t['answered']:.2f} | {t['entropy']:.3f} |")
