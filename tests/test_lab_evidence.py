@@ -143,3 +143,28 @@ def test_readme_alarm_numbers_are_the_validation_json() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"warned {t['warned_in_time']} of {t['collapses']} held-out collapses 20+ steps ahead, with "
             f"{t['false_per_1000']:.1f} false alarms per 1,000 steps on the {t['quiet_runs']} runs that did not collapse") in readme
+
+
+@pytest.mark.skipif(not (LAB / "final_5e-4_epyc" / "onpolicy").is_dir(), reason="the EPYC set is not archived")
+def test_readme_epyc_numbers_recomputed_independently() -> None:
+    """The README's second-machine sentence from the per-step metrics: GRPO's and the twin's
+    collapse counts, scipy's one-sided Fisher p, the last-100 rewards (csv module) and their exact
+    paired permutation p."""
+    import itertools
+
+    from scipy.stats import fisher_exact
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    runs = {arm: _arm_runs("final_5e-4_epyc", arm) for arm in ("grpo", "onpolicy")}
+    assert {arm: sorted(r) for arm, r in runs.items()} == {"grpo": [10, 11, 12, 13, 14], "onpolicy": [10, 11, 12, 13, 14]}
+    k = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
+    assert f"GRPO collapsed in {k['grpo']} of 5 seeds and its on-policy twin in {k['onpolicy']} of 5" in readme
+    p = fisher_exact([[k["grpo"], 5 - k["grpo"]], [k["onpolicy"], 5 - k["onpolicy"]]], alternative="greater").pvalue
+    assert f"(Fisher p = {p:.3f}, not significant;" in readme
+    last = {arm: {s: _last100_mean_reward(LAB / "final_5e-4_epyc" / arm / f"seed{s}") for s in range(10, 15)} for arm in runs}
+    mean = {arm: statistics.fmean(v.values()) for arm, v in last.items()}
+    assert f"last-100 reward {mean['onpolicy']:.2f} vs {mean['grpo']:.2f}" in readme
+    d = [last["onpolicy"][s] - last["grpo"][s] for s in range(10, 15)]
+    flips = [sum(x * f for x, f in zip(d, signs)) for signs in itertools.product((1, -1), repeat=5)]
+    p_perm = sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)
+    assert f"paired permutation p = {p_perm:.3f}): there the twin" in readme
