@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lldslight.collapse import read_metrics
 from lldslight.errors import ArgumentParser, UserError
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
@@ -49,8 +50,6 @@ class PlotInputError(UserError, ValueError):
 def read_run(run_dir: str | Path):
     """The per-step metrics of a run as a DataFrame indexed by step (one row per step; the rows
     Lightning writes separately for one step, e.g. evaluation, are merged)."""
-    import pandas as pd
-
     run_dir = Path(run_dir)
     csv = run_dir / "metrics.csv"
     if not csv.is_file():
@@ -64,15 +63,10 @@ def read_run(run_dir: str | Path):
         raise PlotInputError(
             f"{run_dir}: no metrics.csv{hint} (a RUN_DIR is a CSVLogger version directory, e.g. runs/demo/version_0)"
         )
-    try:
-        frame = pd.read_csv(csv)
-    except UnicodeDecodeError as e:
-        raise PlotInputError(f"{csv}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
-                             "is this a Lightning CSVLogger metrics.csv?") from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, OSError) as e:
-        raise PlotInputError(f"{csv}: unreadable as CSV ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    if "step" not in frame.columns:
-        raise PlotInputError(f"{csv}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")
+    try:  # the lab's reader: parses, names the file in its errors, merges a step's rows
+        frame = read_metrics(csv)
+    except UserError as err:
+        raise PlotInputError(str(err)) from None
     missing = [c for c in REQUIRED if c not in frame.columns]
     if missing:
         raise PlotInputError(
@@ -80,7 +74,6 @@ def read_run(run_dir: str | Path):
             "lldslight.callbacks.LLDMonitor callback: train with --config configs/monitor.yaml after your config "
             "(or add LLDMonitor to trainer.callbacks); train/* come from GRPOModule"
         )
-    frame = frame.dropna(subset=["step"]).groupby("step", sort=True).first()
     if frame[list(REQUIRED)].dropna(how="all").empty:
         raise PlotInputError(f"{csv}: no training step logged yet")
     return frame

@@ -139,3 +139,11 @@ def test_alarm_panel_and_heals_appear_when_logged(run_dir, tmp_path, monkeypatch
     legend_labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
     assert "collapse alarm" in legend_labels and "heal (rolled back)" in legend_labels
     assert [t.get_text() for t in alarm_ax.get_legend().get_texts()] == ["tool_call_rate", "gate_open"]
+
+
+def test_a_metrics_file_that_is_not_csv_text_is_refused_by_name(tmp_path):
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / "metrics.csv").write_bytes(b"\xff\xfe\x00binary\x00\x80\x81")
+    with pytest.raises(PlotInputError, match=r"version_0/metrics.csv: not a readable metrics CSV"):
+        read_run(run)
