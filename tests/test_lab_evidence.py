@@ -87,28 +87,35 @@ def test_readme_lab_numbers_recomputed_independently() -> None:
     assert f"sign test p = {p_sign:.3f}" in " ".join(readme.split())
 
 
-@pytest.mark.skipif(not (LAB / "final_5e-4" / "llds").is_dir(), reason="the 5e-4 primary set is not archived")
-def test_readme_5e4_numbers_recomputed_independently() -> None:
-    """The README's 5e-4 sentence from the per-step metrics: collapse counts, scipy's one-sided
-    Fisher p, and the last-100 rewards (csv module) with their exact paired permutation p."""
+def _paired_set(name: str, other: str) -> dict:
+    """GRPO against ``other`` in set ``name``, seeds 10-14, from the per-step metrics: collapse
+    counts, scipy's one-sided Fisher p, the last-100 mean rewards (csv module) and their exact
+    paired permutation p (other - GRPO, one-sided)."""
     import itertools
 
     from scipy.stats import fisher_exact
 
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    runs = {arm: _arm_runs("final_5e-4", arm) for arm in ("grpo", "llds")}
-    assert {arm: sorted(r) for arm, r in runs.items()} == {"grpo": [10, 11, 12, 13, 14], "llds": [10, 11, 12, 13, 14]}
+    runs = {arm: _arm_runs(name, arm) for arm in ("grpo", other)}
+    assert {arm: sorted(r) for arm, r in runs.items()} == {"grpo": [10, 11, 12, 13, 14], other: [10, 11, 12, 13, 14]}
     k = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
-    assert f"GRPO collapsed in {k['grpo']} of 5 seeds and GRPO + LLDS in {k['llds']} of 5" in readme
-    p = fisher_exact([[k["grpo"], 5 - k["grpo"]], [k["llds"], 5 - k["llds"]]], alternative="greater").pvalue
-    assert f"Fisher p = {p:.3f}" in readme
-    last = {arm: {s: _last100_mean_reward(LAB / "final_5e-4" / arm / f"seed{s}") for s in range(10, 15)} for arm in runs}
-    mean = {arm: statistics.fmean(v.values()) for arm, v in last.items()}
-    assert f"last-100 reward {mean['llds']:.2f} vs {mean['grpo']:.2f}" in readme
-    d = [last["llds"][s] - last["grpo"][s] for s in range(10, 15)]
+    p = fisher_exact([[k["grpo"], 5 - k["grpo"]], [k[other], 5 - k[other]]], alternative="greater").pvalue
+    last = {arm: {s: _last100_mean_reward(LAB / name / arm / f"seed{s}") for s in range(10, 15)} for arm in runs}
+    d = [last[other][s] - last["grpo"][s] for s in range(10, 15)]
     flips = [sum(x * f for x, f in zip(d, signs)) for signs in itertools.product((1, -1), repeat=5)]
-    p_perm = sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)
-    assert f"paired permutation p = {p_perm:.3f}" in readme
+    return {"collapsed": k, "fisher_p": p, "last100": {arm: statistics.fmean(v.values()) for arm, v in last.items()},
+            "permutation_p": sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)}
+
+
+@pytest.mark.skipif(not (LAB / "final_5e-4" / "llds").is_dir(), reason="the 5e-4 primary set is not archived")
+def test_readme_5e4_numbers_recomputed_independently() -> None:
+    """The README's 5e-4 sentence (GRPO vs LLDS on the Xeon), recomputed from the metrics."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    r = _paired_set("final_5e-4", "llds")
+    k, mean = r["collapsed"], r["last100"]
+    assert f"GRPO collapsed in {k['grpo']} of 5 seeds and GRPO + LLDS in {k['llds']} of 5" in readme
+    assert f"Fisher p = {r['fisher_p']:.3f}" in readme
+    assert f"last-100 reward {mean['llds']:.2f} vs {mean['grpo']:.2f}" in readme
+    assert f"paired permutation p = {r['permutation_p']:.3f}" in readme
 
 
 def _last100_mean_reward(run: Path) -> float:
@@ -147,24 +154,11 @@ def test_readme_alarm_numbers_are_the_validation_json() -> None:
 
 @pytest.mark.skipif(not (LAB / "final_5e-4_epyc" / "onpolicy").is_dir(), reason="the EPYC set is not archived")
 def test_readme_epyc_numbers_recomputed_independently() -> None:
-    """The README's second-machine sentence from the per-step metrics: GRPO's and the twin's
-    collapse counts, scipy's one-sided Fisher p, the last-100 rewards (csv module) and their exact
-    paired permutation p."""
-    import itertools
-
-    from scipy.stats import fisher_exact
-
+    """The README's second-machine sentence (GRPO vs the on-policy twin on the EPYC)."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    runs = {arm: _arm_runs("final_5e-4_epyc", arm) for arm in ("grpo", "onpolicy")}
-    assert {arm: sorted(r) for arm, r in runs.items()} == {"grpo": [10, 11, 12, 13, 14], "onpolicy": [10, 11, 12, 13, 14]}
-    k = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
+    r = _paired_set("final_5e-4_epyc", "onpolicy")
+    k, mean = r["collapsed"], r["last100"]
     assert f"GRPO collapsed in {k['grpo']} of 5 seeds and its on-policy twin in {k['onpolicy']} of 5" in readme
-    p = fisher_exact([[k["grpo"], 5 - k["grpo"]], [k["onpolicy"], 5 - k["onpolicy"]]], alternative="greater").pvalue
-    assert f"(Fisher p = {p:.3f}, not significant;" in readme
-    last = {arm: {s: _last100_mean_reward(LAB / "final_5e-4_epyc" / arm / f"seed{s}") for s in range(10, 15)} for arm in runs}
-    mean = {arm: statistics.fmean(v.values()) for arm, v in last.items()}
+    assert f"(Fisher p = {r['fisher_p']:.3f}, not significant;" in readme
     assert f"last-100 reward {mean['onpolicy']:.2f} vs {mean['grpo']:.2f}" in readme
-    d = [last["onpolicy"][s] - last["grpo"][s] for s in range(10, 15)]
-    flips = [sum(x * f for x, f in zip(d, signs)) for signs in itertools.product((1, -1), repeat=5)]
-    p_perm = sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)
-    assert f"paired permutation p = {p_perm:.3f}): there the twin" in readme
+    assert f"paired permutation p = {r['permutation_p']:.3f}): there the twin" in readme
