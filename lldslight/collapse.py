@@ -196,7 +196,7 @@ def read_metrics(path) -> "pandas.DataFrame":
         path = found[0]
     try:
         frame = pd.read_csv(path)
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, EOFError) as err:
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError) as err:
         raise UserError(f"{path}: not a readable metrics CSV ({err})") from None
     if "step" not in frame.columns:
         raise UserError(f"{path}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")

@@ -147,3 +147,13 @@ def test_a_metrics_file_that_is_not_csv_text_is_refused_by_name(tmp_path):
     (run / "metrics.csv").write_bytes(b"\xff\xfe\x00binary\x00\x80\x81")
     with pytest.raises(PlotInputError, match=r"version_0/metrics.csv: not a readable metrics CSV"):
         read_run(run)
+
+
+def test_an_empty_metrics_file_is_refused_by_name(tmp_path):
+    """An empty metrics.csv (a run killed before its first row) gets the reader's error, not
+    pandas' EmptyDataError."""
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / "metrics.csv").write_text("")
+    with pytest.raises(PlotInputError, match=r"version_0/metrics.csv: not a readable metrics CSV"):
+        read_run(run)
