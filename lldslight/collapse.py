@@ -196,8 +196,13 @@ def read_metrics(path) -> "pandas.DataFrame":
         path = found[0]
     try:
         frame = pd.read_csv(path)
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError) as err:
-        raise UserError(f"{path}: not a readable metrics CSV ({err})") from None
+    except UnicodeDecodeError as err:
+        # gzip's own reader raises this too, so the byte and offset are the decompressed text's
+        raise UserError(f"{path}: not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset {err.start}); "
+                        "is this a Lightning CSVLogger metrics.csv?") from None
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError) as err:
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{path}: not a readable metrics CSV ({first_line})") from None
     if "step" not in frame.columns:
         raise UserError(f"{path}: no 'step' column; is this a Lightning CSVLogger metrics.csv?")
     return frame.dropna(subset=["step"]).groupby("step", sort=True).first()
