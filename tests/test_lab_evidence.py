@@ -162,3 +162,23 @@ def test_readme_epyc_numbers_recomputed_independently() -> None:
     assert f"(Fisher p = {r['fisher_p']:.3f}, not significant;" in readme
     assert f"last-100 reward {mean['onpolicy']:.2f} vs {mean['grpo']:.2f}" in readme
     assert f"paired permutation p = {r['permutation_p']:.3f}): there the twin" in readme
+
+
+@pytest.mark.skipif(not (LAB / "controls_epyc" / "kl").is_dir(), reason="the EPYC controls are not archived")
+def test_readme_epyc_controls_recomputed_independently() -> None:
+    """The README's sentence on the last four controls (EPYC, 7e-4, seeds 10-12): collapse counts,
+    GRPO's last and the masked arm's median collapse step, and the last-100 rewards (csv module)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    arms = ("grpo", "unshared", "llds_0.5", "kl", "half_lr")
+    runs = {arm: _arm_runs("controls_epyc", arm) for arm in arms}
+    assert {arm: sorted(r) for arm, r in runs.items()} == {arm: [10, 11, 12] for arm in arms}
+    k = {arm: sum(bool(s["collapsed"]) and s["step"] < 600 for s in r.values()) for arm, r in runs.items()}
+    grpo_last = max(s["step"] for s in runs["grpo"].values())
+    masked_median = statistics.median(s["step"] for s in runs["unshared"].values() if s["collapsed"])
+    last = {arm: statistics.fmean(_last100_mean_reward(LAB / "controls_epyc" / arm / f"seed{s}") for s in (10, 11, 12))
+            for arm in ("grpo", "kl", "half_lr")}
+    assert f"GRPO died in {k['grpo']} of 3 by step {grpo_last}" in readme
+    assert f"delayed the death (median step {masked_median:g}) but did not prevent it ({k['unshared']} of 3)" in readme
+    assert f"LLDS at 0.5 collapsed in {k['llds_0.5']} of 3" in readme
+    assert k["kl"] == k["half_lr"] and f"half the rate collapsed in {k['kl']} of 3" in readme
+    assert f"(last-100 reward {last['kl']:.2f} and {last['half_lr']:.2f} vs {last['grpo']:.2f})" in readme
