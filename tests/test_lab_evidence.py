@@ -182,3 +182,25 @@ def test_readme_epyc_controls_recomputed_independently() -> None:
     assert f"LLDS at 0.5 collapsed in {k['llds_0.5']} of 3" in readme
     assert k["kl"] == k["half_lr"] and f"half the rate collapsed in {k['kl']} of 3" in readme
     assert f"(last-100 reward {last['kl']:.2f} and {last['half_lr']:.2f} vs {last['grpo']:.2f})" in readme
+
+
+def test_readme_two_search_demo_recomputed_independently() -> None:
+    """The README's two-search demo figures, recomputed from the archived evaluations by hand
+    (zip by position after sorting by question, not lldslight.evaluation.paired_change)."""
+    import gzip
+
+    run = ROOT / "docs" / "demo" / "two_searches"
+
+    def ems(name: str) -> list[float]:
+        records = json.loads(gzip.decompress((run / name).read_bytes()))["records"]
+        return [r["em"] for r in sorted(records, key=lambda r: (r["data_source"], r["question"]))]
+
+    before, after = ems("val_before_step0.json.gz"), ems("val_step80.json.gz")
+    assert len(before) == len(after) == 64
+    diffs = [a - b for a, b in zip(after, before)]
+    change = sum(diffs) / 64
+    se = statistics.stdev(diffs) / 64 ** 0.5
+    readme = (ROOT / "README.md").read_text()
+    quoted = (f"dev EM {sum(before) / 64:.3f} -> {sum(after) / 64:.3f}, paired change {change:+.3f} "
+              f"(SE {se:.3f}, n = 64)")
+    assert quoted in " ".join(readme.split()), quoted
