@@ -3,6 +3,7 @@ per-step metrics (``benchmarks/collapse.py --report-only``) and must equal the c
 number of the reports can drift from the data it claims to summarise."""
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import statistics
@@ -122,8 +123,6 @@ def _last100_mean_reward(run: Path) -> float:
     """Mean train/reward over the last 100 logged steps, read with the csv module (not
     lldslight/collapse.py nor benchmarks/heal_eval.py)."""
     import csv
-    import gzip
-
     with gzip.open(run / "metrics.csv.gz", "rt") as f:
         rewards = {int(r["step"]): float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")}
     last = sorted(rewards)[-100:]
@@ -187,15 +186,14 @@ def test_readme_epyc_controls_recomputed_independently() -> None:
 def test_readme_two_search_demo_recomputed_independently() -> None:
     """The README's two-search demo figures, recomputed from the archived evaluations by hand
     (zip by position after sorting by question, not lldslight.evaluation.paired_change)."""
-    import gzip
-
     run = ROOT / "docs" / "demo" / "two_searches"
 
-    def ems(name: str) -> list[float]:
-        records = json.loads(gzip.decompress((run / name).read_bytes()))["records"]
-        return [r["em"] for r in sorted(records, key=lambda r: (r["data_source"], r["question"]))]
+    def records(name: str) -> list[dict]:
+        rows = json.loads(gzip.decompress((run / name).read_bytes()))["records"]
+        return sorted(rows, key=lambda r: (r["data_source"], r["question"]))
 
-    before, after = ems("val_before_step0.json.gz"), ems("val_step80.json.gz")
+    first, last = records("val_before_step0.json.gz"), records("val_step80.json.gz")
+    before, after = [r["em"] for r in first], [r["em"] for r in last]
     assert len(before) == len(after) == 64
     diffs = [a - b for a, b in zip(after, before)]
     change = sum(diffs) / 64
@@ -204,3 +202,5 @@ def test_readme_two_search_demo_recomputed_independently() -> None:
     quoted = (f"dev EM {sum(before) / 64:.3f} -> {sum(after) / 64:.3f}, paired change {change:+.3f} "
               f"(SE {se:.3f}, n = 64)")
     assert quoted in " ".join(readme.split()), quoted
+    searches = f"({sum(r['searches'] for r in first) / 64:.2f} -> {sum(r['searches'] for r in last) / 64:.2f} searches per question)"
+    assert searches in " ".join(readme.split()), searches
