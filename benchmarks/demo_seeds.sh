@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# One arm of docs/demo/PLAN_light_warmstart.md: the demo's recipe with seed S and a warm start on the
-# first N training trajectories, evaluated greedily on the knowledge base's test split before and
-# after the demo's 14 GRPO steps. Run after `bash scripts/demo.sh` has set up and synthesised the data.
-#   bash benchmarks/demo_seeds.sh SEED [N=32]     -> runs/demo_seeds/n{N}_seed{SEED}/version_0/
-# The plan's arms: seeds 0-3 with N = 32 (R0-R3), seed 0 with N = 64 (C0); then
-#   python benchmarks/demo_seeds.py runs/demo_seeds --archive docs/demo/light_warmstart
+# One arm of docs/demo/PLAN_light_warmstart.md: the demo's recipe with seed SEED and a warm start on
+# the first N training trajectories, evaluated greedily on a knowledge base's test split before and
+# after GRPO. Run after `bash scripts/demo.sh` has set up.
+#   bash benchmarks/demo_seeds.sh SEED [N=32] [KB=0] -> runs/demo_seeds[_kb1]/n{N}_seed{SEED}/version_0/
+# KB 0: the demo's knowledge base and its 14 steps (configs/demo.yaml). KB 1: a fresh knowledge base
+# (synthesis seed 1) and 30 steps (benchmarks/demo_fresh_kb.yaml). The plan's arms:
+#   first test:  for s in 0 1 2 3; do bash benchmarks/demo_seeds.sh $s 32; done; bash benchmarks/demo_seeds.sh 0 64
+#   second test: for s in 0 1 2; do bash benchmarks/demo_seeds.sh $s 32 1; done
+# then python benchmarks/demo_seeds.py runs/demo_seeds --archive docs/demo/light_warmstart (and _kb1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seed="$1"; n="${2:-32}"
+seed="$1"; n="${2:-32}"; kb="${3:-0}"
 bin="${LLDSLIGHT_VENV:-.venv}/bin"
-ws=".lldslight/demo_seeds/warmstart_n${n}_seed${seed}"
+if [ "$kb" = 0 ]; then
+  data=.lldslight/demo_data; overlay=(); runs=runs/demo_seeds
+  "$bin/lldslight" data synth --config configs/demo.yaml
+else
+  [ "$kb" = 1 ] || { echo "benchmarks/demo_seeds.sh: KB must be 0 or 1, got '$kb'" >&2; exit 2; }
+  data=.lldslight/demo_data_kb1; overlay=(--config benchmarks/demo_fresh_kb.yaml); runs=runs/demo_seeds_kb1
+  "$bin/lldslight" data synth --config benchmarks/demo_fresh_kb.yaml
+fi
+ws=".lldslight/demo_seeds/warmstart_kb${kb}_n${n}_seed${seed}"
 # The demo's warm-start arguments (scripts/demo.sh) but --limit and --seed.
-"$bin/lldslight" sft --data .lldslight/demo_data/train.jsonl --corpus .lldslight/demo_data/corpus.jsonl \
+"$bin/lldslight" sft --data "$data/train.jsonl" --corpus "$data/corpus.jsonl" \
   --out "$ws" --limit "$n" --topk 2 --max-obs-tokens 120 --max-searches 1 \
   --over-budget truncate --keep-unanswerable --seed "$seed"
-exec "$bin/lldslight" fit --config configs/demo.yaml --model.policy.model "$ws" --seed_everything "$seed" \
-  --data.val_files '[.lldslight/demo_data/test.parquet]' \
-  --trainer.logger.init_args.save_dir runs/demo_seeds --trainer.logger.init_args.name "n${n}_seed${seed}"
+exec "$bin/lldslight" fit --config configs/demo.yaml "${overlay[@]}" --model.policy.model "$ws" --seed_everything "$seed" \
+  --data.val_files "[$data/test.parquet]" \
+  --trainer.logger.init_args.save_dir "$runs" --trainer.logger.init_args.name "n${n}_seed${seed}"
