@@ -204,3 +204,45 @@ def test_readme_two_search_demo_recomputed_independently() -> None:
     assert quoted in " ".join(readme.split()), quoted
     searches = f"({sum(r['searches'] for r in first) / 64:.2f} -> {sum(r['searches'] for r in last) / 64:.2f} searches per question)"
     assert searches in " ".join(readme.split()), searches
+
+
+def _test_em_changes(arms: Path, seeds: range, n: int = 32) -> list[tuple[float, float]]:
+    """(change, SE) per seed from an archived light-warm-start test, by hand: sort both evaluations
+    by question and zip (not benchmarks/demo_seeds.py nor lldslight.evaluation.paired_change)."""
+    out = []
+    for seed in seeds:
+        run = arms / f"n{n}_seed{seed}"
+        (after_name,) = [p.name for p in run.glob("val_after_step*.json.gz")]
+
+        def ems(name: str) -> list[float]:
+            rows = json.loads(gzip.decompress((run / name).read_bytes()))["records"]
+            return [r["em"] for r in sorted(rows, key=lambda r: (r["data_source"], r["question"]))]
+
+        before, after = ems("val_before_step0.json.gz"), ems(after_name)
+        assert len(before) == len(after) == 64
+        diffs = [a - b for a, b in zip(after, before)]
+        out.append((sum(diffs) / 64, statistics.stdev(diffs) / 8))
+    return out
+
+
+def test_readme_light_warmstart_demo_recomputed_independently() -> None:
+    """The README's figures for the two registered tests of docs/demo/PLAN_light_warmstart.md."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    t975 = {2: 4.303, 3: 3.182}  # Student's t tables
+    for arms, seeds in ((ROOT / "docs" / "demo" / "light_warmstart", range(4)), (ROOT / "docs" / "demo" / "light_warmstart_kb1", range(3))):
+        changes = _test_em_changes(arms, seeds)
+        mean = statistics.fmean(c for c, _ in changes)
+        half = t975[len(changes) - 1] * statistics.stdev(c for c, _ in changes) / len(changes) ** 0.5
+        passing = sum(c >= 2 * se for c, se in changes)
+        quoted = (f"{mean:+.3f} on average over {len(changes)} seeds (95% t interval {mean - half:+.3f} to {mean + half:+.3f}); "
+                  f"{passing} of the {len(changes)} runs by two standard errors")
+        assert quoted in readme, quoted
+    # "every run ended below what a 64-example warm start scores without GRPO (0.375)"
+    context = json.loads(gzip.decompress((ROOT / "docs/demo/light_warmstart/n64_seed0/val_before_step0.json.gz").read_bytes()))["records"]
+    context_em = sum(r["em"] for r in context) / len(context)
+    assert f"without GRPO ({context_em:.3f})" in readme
+    for seed in range(4):
+        run = ROOT / "docs" / "demo" / "light_warmstart" / f"n32_seed{seed}"
+        (after_name,) = [p.name for p in run.glob("val_after_step*.json.gz")]
+        after = json.loads(gzip.decompress((run / after_name).read_bytes()))["records"]
+        assert sum(r["em"] for r in after) / len(after) < context_em, seed
