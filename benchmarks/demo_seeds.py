@@ -12,6 +12,7 @@ Then (the runs, or their archive, whose files may be gzipped):
     python benchmarks/demo_seeds.py runs/demo_seeds --archive docs/demo/light_warmstart
     python benchmarks/demo_seeds.py runs/demo_seeds_kb1 --rule majority --archive docs/demo/light_warmstart_kb1
     python benchmarks/demo_seeds.py docs/demo/light_warmstart --json docs/demo/light_warmstart/report.json
+    python benchmarks/demo_seeds.py docs/demo/light_warmstart_kb1 --rule majority --json docs/demo/light_warmstart_kb1/report.json
 """
 from __future__ import annotations
 
@@ -52,8 +53,13 @@ def before_after(run: Path) -> tuple[list[dict], list[dict], int]:
     return records("val_before_step0.json"), records(name), step
 
 
-def arm_report(run: Path) -> dict:
-    before, after, step = before_after(run)
+def find_arms(root: Path) -> dict[tuple[int, int], Path]:
+    """(N, seed) -> run of every arm directory ``n{N}_seed{S}`` under ``root``; other entries are ignored."""
+    return {(int(m.group(1)), int(m.group(2))): run_dir(p)
+            for p in sorted(root.iterdir()) if p.is_dir() and (m := ARM.fullmatch(p.name))}
+
+
+def arm_report(run: Path, before: list[dict], after: list[dict], step: int) -> dict:
     change = paired_change(before, after)
     return {"run": str(run), "steps": step, **change, "passes": bool(change["change"] >= 2 * change["se"]),
             "answered_before": statistics.fmean(r["answered"] for r in before),
@@ -65,15 +71,14 @@ def report(root: Path, recipe_n: int = 32, context_n: int = 64, rule: str = "pri
     """``rule`` is the plan's: "primary" (the first test: seed 0 passes and >= 2 other seeds do) or
     "majority" (the second test: more than half of the seeds pass)."""
     require(rule in ("primary", "majority"), "rule", "primary or majority", rule)
-    arms: dict[tuple[int, int], Path] = {}
-    for p in sorted(root.iterdir()):
-        if p.is_dir() and (m := ARM.fullmatch(p.name)):
-            arms[(int(m.group(1)), int(m.group(2)))] = run_dir(p)
-    recipe = {seed: arm_report(run) for (n, seed), run in sorted(arms.items()) if n == recipe_n}
+    arms = find_arms(root)
+    evals = {key: before_after(run) for key, run in arms.items() if key[0] in (recipe_n, context_n)}  # each file read once
+    recipe = {seed: arm_report(arms[(n, seed)], *evals[(n, seed)]) for n, seed in sorted(evals) if n == recipe_n}
     require(0 in recipe, f"{root}/n{recipe_n}_seed0", "the primary arm R0 (the shipped demo's seed)", "missing")
     out: dict = {"recipe_n": recipe_n, "arms": {f"n{recipe_n}_seed{s}": r for s, r in recipe.items()}}
     changes = [r["change"] for r in recipe.values()]
     k = len(changes)
+    require(k - 1 in T975 or k == 1, f"{root}", f"at most {max(T975) + 1} seeds of n{recipe_n} (the t table's rows)", k)
     mean = statistics.fmean(changes)
     half = T975[k - 1] * statistics.stdev(changes) / k ** 0.5 if k >= 2 else float("nan")
     replications = [s for s in recipe if s != 0]
@@ -84,13 +89,12 @@ def report(root: Path, recipe_n: int = 32, context_n: int = 64, rule: str = "pri
     out["rule"] = rule
     out["shows_held_out_learning"] = bool(recipe[0]["passes"] and out["replication"]["passing_replications"] >= 2
                                           if rule == "primary" else passing > k / 2)
-    if (context_n, 0) in arms:
-        context_run = arms[(context_n, 0)]
-        out["context"] = {"arm": f"n{context_n}_seed0", **arm_report(context_run)}
-        context_before, _, _ = before_after(context_run)
+    if (context_n, 0) in evals:
+        context_before = evals[(context_n, 0)][0]
+        out["context"] = {"arm": f"n{context_n}_seed0", **arm_report(arms[(context_n, 0)], *evals[(context_n, 0)])}
         # Does GRPO from the light warm start beat the longer warm start without GRPO, question by question?
         out["recipe_after_vs_context_before"] = {
-            f"n{recipe_n}_seed{s}": paired_change(context_before, before_after(arms[(recipe_n, s)])[1]) for s in recipe}
+            f"n{recipe_n}_seed{s}": paired_change(context_before, evals[(recipe_n, s)][1]) for s in recipe}
     return out
 
 
@@ -105,9 +109,8 @@ def main(argv=None) -> int:
     root = Path(args.root)
     require(root.is_dir(), str(root), "a directory of arms n{N}_seed{S}", "missing")
     if args.archive:
-        for arm in sorted(root.iterdir()):
-            if arm.is_dir() and ARM.fullmatch(arm.name):
-                archive(run_dir(arm), Path(args.archive) / arm.name)
+        for (n, seed), run in find_arms(root).items():
+            archive(run, Path(args.archive) / f"n{n}_seed{seed}")
     r = report(root, rule=args.rule)
     rows = list(r["arms"].items()) + ([(r["context"]["arm"] + " (context)", r["context"])] if "context" in r else [])
     print("| arm | test EM before -> after (n) | paired change (SE) | z | >= 2 SE | answered |\n|---|---|---|---|---|---|")

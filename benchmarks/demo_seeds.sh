@@ -7,7 +7,8 @@
 # (synthesis seed 1) and 30 steps (benchmarks/demo_fresh_kb.yaml). The plan's arms:
 #   first test:  for s in 0 1 2 3; do bash benchmarks/demo_seeds.sh $s 32; done; bash benchmarks/demo_seeds.sh 0 64
 #   second test: for s in 0 1 2; do bash benchmarks/demo_seeds.sh $s 32 1; done
-# then python benchmarks/demo_seeds.py runs/demo_seeds --archive docs/demo/light_warmstart (and _kb1).
+# then python benchmarks/demo_seeds.py runs/demo_seeds --archive docs/demo/light_warmstart and
+#      python benchmarks/demo_seeds.py runs/demo_seeds_kb1 --rule majority --archive docs/demo/light_warmstart_kb1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seed="$1"; n="${2:-32}"; kb="${3:-0}"

@@ -206,9 +206,9 @@ def test_readme_two_search_demo_recomputed_independently() -> None:
     assert searches in " ".join(readme.split()), searches
 
 
-def _test_em_changes(arms: Path, seeds: range, n: int = 32) -> list[tuple[float, float]]:
-    """(change, SE) per seed from an archived light-warm-start test, by hand: sort both evaluations
-    by question and zip (not benchmarks/demo_seeds.py nor lldslight.evaluation.paired_change)."""
+def _test_ems(arms: Path, seeds: range, n: int = 32) -> list[tuple[list[float], list[float]]]:
+    """(EM before, EM after) per seed from an archived light-warm-start test, both sorted by
+    question, by hand (not benchmarks/demo_seeds.py nor lldslight.evaluation.paired_change)."""
     out = []
     for seed in seeds:
         run = arms / f"n{n}_seed{seed}"
@@ -220,8 +220,7 @@ def _test_em_changes(arms: Path, seeds: range, n: int = 32) -> list[tuple[float,
 
         before, after = ems("val_before_step0.json.gz"), ems(after_name)
         assert len(before) == len(after) == 64
-        diffs = [a - b for a, b in zip(after, before)]
-        out.append((sum(diffs) / 64, statistics.stdev(diffs) / 8))
+        out.append((before, after))
     return out
 
 
@@ -229,8 +228,11 @@ def test_readme_light_warmstart_demo_recomputed_independently() -> None:
     """The README's figures for the two registered tests of docs/demo/PLAN_light_warmstart.md."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     t975 = {2: 4.303, 3: 3.182}  # Student's t tables
-    for arms, seeds in ((ROOT / "docs" / "demo" / "light_warmstart", range(4)), (ROOT / "docs" / "demo" / "light_warmstart_kb1", range(3))):
-        changes = _test_em_changes(arms, seeds)
+    first_test = ROOT / "docs" / "demo" / "light_warmstart"
+    first_ems = _test_ems(first_test, range(4))
+    for ems in (first_ems, _test_ems(ROOT / "docs" / "demo" / "light_warmstart_kb1", range(3))):
+        diffs = [[a - b for a, b in zip(after, before)] for before, after in ems]
+        changes = [(sum(d) / 64, statistics.stdev(d) / 8) for d in diffs]
         mean = statistics.fmean(c for c, _ in changes)
         half = t975[len(changes) - 1] * statistics.stdev(c for c, _ in changes) / len(changes) ** 0.5
         passing = sum(c >= 2 * se for c, se in changes)
@@ -238,11 +240,8 @@ def test_readme_light_warmstart_demo_recomputed_independently() -> None:
                   f"{passing} of the {len(changes)} runs by two standard errors")
         assert quoted in readme, quoted
     # "every run ended below what a 64-example warm start scores without GRPO (0.375)"
-    context = json.loads(gzip.decompress((ROOT / "docs/demo/light_warmstart/n64_seed0/val_before_step0.json.gz").read_bytes()))["records"]
+    context = json.loads(gzip.decompress((first_test / "n64_seed0" / "val_before_step0.json.gz").read_bytes()))["records"]
     context_em = sum(r["em"] for r in context) / len(context)
     assert f"without GRPO ({context_em:.3f})" in readme
-    for seed in range(4):
-        run = ROOT / "docs" / "demo" / "light_warmstart" / f"n32_seed{seed}"
-        (after_name,) = [p.name for p in run.glob("val_after_step*.json.gz")]
-        after = json.loads(gzip.decompress((run / after_name).read_bytes()))["records"]
-        assert sum(r["em"] for r in after) / len(after) < context_em, seed
+    for seed, (_, after) in enumerate(first_ems):
+        assert sum(after) / 64 < context_em, seed
