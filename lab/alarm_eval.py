@@ -36,10 +36,20 @@ GRID = [2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0]
 
 
 def load_runs(dirs: list[str]) -> list[dict]:
-    """Each archived run under the given directories: its training frame and collapse verdict."""
-    runs = []
+    """Each archived run under the given directories: its training frame and collapse verdict.
+
+    A run archived twice (the Xeon controls' GRPO column is the 7e-4 primary set's GRPO seeds
+    10-12, copied) is scored once: runs are told apart by the bytes of their metrics."""
+    import hashlib
+
+    runs, seen = [], set()
     for d in dirs:
         for path in C.archived_runs(d, "*/seed*"):
+            metrics = next(p for p in (path / "metrics.csv.gz", path / "metrics.csv") if p.is_file())
+            digest = hashlib.sha256(metrics.read_bytes()).hexdigest()
+            if digest in seen:
+                continue
+            seen.add(digest)
             frame = C.training_rows(C.read_metrics(path))
             s = C.summarise(frame)
             runs.append({"run": str(path), "frame": frame, "steps": len(frame), "collapsed": s["collapsed"], "collapse": s["step"]})

@@ -29,8 +29,8 @@ sides; an explosion is a non-finite value or one above ``explode_factor`` (10) x
 
 **Statistics** for arms of seeds (paired by seed where the design pairs them): Fisher's exact test
 on "collapsed by the horizon", the sign test on paired times to collapse (censored at the horizon),
-the restricted mean survival time with a bootstrap interval, and a paired permutation test on the
-mean reward of the last steps. scipy provides the distributions; the pairing logic is here.
+the restricted mean survival time with a bootstrap interval (seeds resampled as pairs), and a
+paired permutation test on the mean reward of the last steps. scipy provides the distributions; the pairing logic is here.
 """
 from __future__ import annotations
 
@@ -136,10 +136,12 @@ def find_collapse(reward: Series, answered: Optional[Series], crit: CollapseCrit
     steps = list(steps) if steps is not None else list(range(len(reward)))
     r = _first_hold(reward_low(reward, crit), crit.hold)
     a = _first_hold(answered_low(answered, crit), crit.hold) if answered is not None else None
+    # In order of precedence: when both conditions start on the same step the cause is "reward"
+    # (the documented tie-break; comparing the names would pick "answered", which sorts first).
     candidates = [(i, cause) for i, cause in ((r, "reward"), (a, "answered")) if i is not None]
     if not candidates:
         return Collapse(False, reward_index=r, answered_index=a)
-    index, cause = min(candidates)
+    index, cause = min(candidates, key=lambda c: c[0])  # min keeps the first of equal indices: "reward"
     mode = failure_mode(index, answered, tool_call, crit)
     return Collapse(True, index, int(steps[index]), cause, mode, r, a)
 
@@ -275,6 +277,19 @@ def fisher_one_sided(collapsed_a: int, n_a: int, collapsed_b: int, n_b: int) -> 
     return float(fisher_exact(table, alternative="greater").pvalue)
 
 
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: a family of tests corrected so that
+    rejecting every adjusted p <= alpha keeps the chance of any false rejection <= alpha. The i-th
+    smallest p is multiplied by (m - i) (i from 0), then made non-decreasing, capped at 1."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
 def sign_test(pairs: Sequence[tuple[float, float]]) -> dict:
     """Paired sign test of "the second of each pair is larger" (e.g. time to collapse under LLDS
     vs GRPO, censored at the horizon: a censored time is the horizon). Ties are dropped."""
@@ -320,16 +335,31 @@ def rmst(times: Sequence[float], collapsed: Sequence[bool], horizon: float) -> f
 
 
 def rmst_difference(a: Sequence[tuple[float, bool]], b: Sequence[tuple[float, bool]], horizon: float, n_boot: int = 2000,
-                    seed: int = 0) -> dict:
-    """RMST(b) - RMST(a) with a percentile bootstrap 95% interval (runs resampled within arms)."""
+                    seed: int = 0, paired: bool = True) -> dict:
+    """RMST(b) - RMST(a) with a percentile bootstrap 95% interval.
+
+    ``paired`` (the lab's design: ``a[i]`` and ``b[i]`` are one seed's two arms, same init, same
+    data order): seeds are resampled, each drawn seed bringing both of its runs, so the interval
+    reflects the pairing. ``paired=False`` resamples runs within each arm independently (arms of
+    unrelated runs)."""
+    if paired:
+        require(len(a) == len(b) and len(a) > 0, "rmst_difference", "two non-empty arms of equal length (paired by seed)",
+                (len(a), len(b)))
     rng = random.Random(seed)
 
     def area(runs):
         return rmst([t for t, _ in runs], [c for _, c in runs], horizon)
 
     point = area(b) - area(a)
-    boots = sorted(area([rng.choice(b) for _ in b]) - area([rng.choice(a) for _ in a]) for _ in range(n_boot))
-    return {"diff": point, "low": boots[int(0.025 * n_boot)], "high": boots[int(0.975 * n_boot) - 1]}
+    boots = []
+    for _ in range(n_boot):
+        if paired:
+            idx = [rng.randrange(len(a)) for _ in a]
+            boots.append(area([b[i] for i in idx]) - area([a[i] for i in idx]))
+        else:
+            boots.append(area([rng.choice(b) for _ in b]) - area([rng.choice(a) for _ in a]))
+    boots.sort()
+    return {"diff": point, "low": boots[int(0.025 * n_boot)], "high": boots[int(0.975 * n_boot) - 1], "paired": paired}
 
 
 def time_to_collapse(summary: Mapping, horizon: int) -> tuple[float, bool]:

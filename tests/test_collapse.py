@@ -37,6 +37,16 @@ def test_answered_collapse_comes_first_and_is_death():
     assert (c.collapsed, c.index, c.step, c.cause, c.mode) == (True, 3, 103, "answered", "death")
 
 
+def test_both_conditions_from_the_same_step_is_a_reward_collapse():
+    # trailing-2 reward: -, .8, .8, .6, .3, ... -> low (<= .4) from index 4;
+    # trailing-2 answered: -, 1, 1, .7, .4, ... -> low (< .5) from index 4 too: a tie, and the
+    # documented tie-break says "reward" (comparing the names would say "answered")
+    reward = [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2]
+    answered = [1.0, 1.0, 1.0, 0.4, 0.4, 0.4, 0.4, 0.4]
+    c = C.find_collapse(reward, answered, CRIT, tool_call=[1.0] * 8)
+    assert (c.index, c.reward_index, c.answered_index, c.cause) == (4, 4, 4, "reward")
+
+
 def test_decay_when_the_agent_keeps_searching_and_answering():
     reward = [0.8, 0.8, 0.8, 0.4, 0.2, 0.2, 0.2, 0.2]
     c = C.find_collapse(reward, [0.95] * 8, CRIT, tool_call=[0.9] * 8)
@@ -109,6 +119,20 @@ def test_rmst_by_hand():
     assert d["diff"] == pytest.approx(6) and d["low"] == pytest.approx(6) and d["high"] == pytest.approx(6)
 
 
+def test_rmst_bootstrap_resamples_seeds_as_pairs():
+    # Every run collapses before the horizon, so RMST = the mean collapse time. Seed 1: 2 vs 4,
+    # seed 2: 8 vs 10: B beats A by exactly 2 in each pair, so every paired resample of seeds gives
+    # a difference of 2 (a degenerate interval). Resampling arms independently can draw A = {8, 8}
+    # and B = {4, 4} (probability 1/16 > 2.5%), a difference of -4, so its interval spans 0.
+    a, b = [(2, True), (8, True)], [(4, True), (10, True)]
+    paired = C.rmst_difference(a, b, 100, n_boot=2000)
+    assert (paired["diff"], paired["low"], paired["high"], paired["paired"]) == (2, 2, 2, True)
+    unpaired = C.rmst_difference(a, b, 100, n_boot=2000, paired=False)
+    assert unpaired["diff"] == 2 and unpaired["low"] == pytest.approx(-4) and unpaired["high"] == pytest.approx(8)
+    with pytest.raises(ValueError, match="paired by seed"):
+        C.rmst_difference(a, b[:1], 100)
+
+
 def test_time_to_collapse_censors_at_the_horizon():
     assert C.time_to_collapse({"collapsed": True, "step": 300, "last_step": 599}, 600) == (300.0, True)
     assert C.time_to_collapse({"collapsed": True, "step": 650, "last_step": 699}, 600) == (600.0, False)
@@ -118,3 +142,11 @@ def test_time_to_collapse_censors_at_the_horizon():
 def test_criteria_reject_bad_values():
     with pytest.raises(ValueError, match="fall_fraction"):
         C.CollapseCriteria(fall_fraction=1.5)
+
+
+def test_holm_by_hand():
+    # The lab's five primary tests as first reported: sorted 0.004, 0.024, 0.083, 0.262, 0.5 ->
+    # x5, x4, x3, x2, x1 = 0.02, 0.096, 0.249, 0.524, 0.5 -> made non-decreasing: the last 0.524
+    adjusted = C.holm([0.004, 0.5, 0.024, 0.083, 0.262])
+    assert adjusted == pytest.approx([0.02, 0.524, 0.096, 0.249, 0.524])
+    assert C.holm([0.3, 0.9]) == pytest.approx([0.6, 0.9]) and C.holm([]) == []
