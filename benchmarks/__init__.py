@@ -1,4 +1,4 @@
-"""The benchmarks and the collapse lab: scripts, importable as modules.
+"""The speed tools: scripts, importable as modules (the collapse lab and the demo studies are in lab/).
 
 Each script runs by path, ``python benchmarks/step.py`` (its own folder is then on ``sys.path``,
 so it imports a sibling plainly: ``import harness``), or as a module from the repository root,

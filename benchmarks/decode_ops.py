@@ -63,9 +63,9 @@ def cache_write_us(dtype, rows: int, kv_heads: int, head_dim: int, capacity: int
 
 def previous_cache_class():
     """The cache as it was: ``scatter_`` when every slot takes part."""
-    from lldslight.rollout.cache import _RaggedCache
+    from lldslight.rollout.cache import RaggedCache
 
-    class ScatterCache(_RaggedCache):
+    class ScatterCache(RaggedCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if self.rows is not None:
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, sampling_weights
-    from lldslight.rollout.cache import _Decoder
+    from lldslight.rollout.cache import Decoder
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     def decode(side: str) -> tuple[dict, "torch.Tensor"]:
         for layer in adapted:
             layer.cast_input_dtype_enabled = True if side == "previous" else current_casts
-        dec = _Decoder(model)
+        dec = Decoder(model)
         if side == "previous":
             dec.cache = ScatterCache()
         with torch.no_grad(), sampling_weights(model):

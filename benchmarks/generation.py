@@ -110,7 +110,7 @@ def sampler_ab(tok, rows: int, repeats: int, device) -> dict:
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
     def new():
-        return engine._sample(logits, torch.rand(rows, dtype=torch.float64, device=device))
+        return engine.sample(logits, torch.rand(rows, dtype=torch.float64, device=device))
 
     times = {"multinomial": [], "inverse_cdf": []}
     for _ in range(repeats):

@@ -74,8 +74,8 @@ SIDES = ("lldslight", "lldslight-auto", "trl")
 LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto")
 PRECISIONS = ("fp32", "bf16")
 LLDSLIGHT_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed"}  # policy.precision per benchmark precision
-TARGET_RATIO = 0.5  # issue 22: step <= 0.5x TRL's
-TARGET_DECODE_FRACTION = 0.4  # issue 22: a bf16 decode step >= 40% of the physical limit
+TARGET_RATIO = 0.5  # the speed target: step <= 0.5x TRL's
+TARGET_DECODE_FRACTION = 0.4  # the speed target: a bf16 decode step >= 40% of the physical limit
 
 # Open-ended requests so that most completions run to the token budget on both sides: the work
 # per step then depends on the config, not on when a sample happens to emit EOS.

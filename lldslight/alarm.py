@@ -1,6 +1,6 @@
 """The collapse alarm's rule, as plain Python over per-step metric values (no Lightning, no torch).
 
-Issue 20, docs/alarm_and_healing.md. Each training step the rule reads a few metrics the project
+docs/alarm_and_healing.md. Each training step the rule reads a few metrics the project
 already logs, turns each into a *signal* x_t, standardises it against a per-run baseline and runs a
 one-sided CUSUM in the direction in which the signal moves before a collapse:
 

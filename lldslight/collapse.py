@@ -1,7 +1,7 @@
 """When a run collapsed, how, and how to compare arms of runs: the collapse toolkit.
 
 Pure functions over a run's per-step metrics (the columns Lightning's CSVLogger writes; a
-``read_run`` frame or plain lists), shared by the collapse lab's runner (benchmarks/collapse.py),
+``read_run`` frame or plain lists), shared by the collapse lab's runner (lab/collapse.py),
 the end-of-run summary (``RunSummary`` writes ``collapse`` into summary.json), the alarm's
 validation and the tests. Nothing here looks at a detector: the collapse is defined from what the
 agent earned and did, so a detector can be scored against it without judging itself.

@@ -101,7 +101,7 @@ def panels_for(frames) -> list[tuple[str, list]]:
     ]
 
 
-# -- the collapse alarm and heals (issue 20; docs/alarm_and_healing.md) -------------------------------
+# -- the collapse alarm and heals (docs/alarm_and_healing.md) -----------------------------------------
 
 ALARM_LABEL = "collapse alarm:\nCUSUM C (baseline sds)"
 ALARM_STYLES = ["-", "--", "-.", ":", DASH_DOT_DOT, (0, (1, 1)), (0, (3, 1, 1, 1)), (0, (8, 2))]

@@ -22,6 +22,11 @@ def load_benchmark(name: str) -> ModuleType:
     return importlib.import_module(f"benchmarks.{name}")
 
 
+def load_lab(name: str) -> ModuleType:
+    """A script under lab/ imported as the module ``lab.<name>``, to test its pieces."""
+    return importlib.import_module(f"lab.{name}")
+
+
 def shared_data(*parts: str) -> Path:
     """A file under ../shared/data, or a clean skip when the shared folder is absent."""
     path = SHARED_DATA.joinpath(*parts)

@@ -1,4 +1,4 @@
-"""benchmarks/collapse.py: the report over archived seeds x arms (hand-built runs with known
+"""lab/collapse.py: the report over archived seeds x arms (hand-built runs with known
 collapses), the command composition, the archive, and the smoke pipeline end to end."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, load_lab
 
 
 @pytest.fixture(scope="module")
 def collapse():
-    return load_benchmark("collapse")
+    return load_lab("collapse")
 
 
 def archived(path: Path, reward: list[float], answered: float = 1.0, tool: float = 1.0) -> None:
@@ -70,16 +70,16 @@ def test_death_when_the_agent_stops_answering(collapse, tmp_path) -> None:
 
 
 def test_arms_are_the_files_of_the_arms_dir(collapse) -> None:
-    arms = collapse.arms_in(ROOT / "configs/lab/arms")
+    arms = collapse.arms_in(ROOT / "lab/configs/arms")
     assert {"grpo", "llds", "onpolicy", "pos_only", "unshared", "kl"} <= set(arms)
     assert arms["llds"][0].startswith("LLDS action gate")
 
 
 def test_fit_command_composes_recipe_arm_extras(collapse, tmp_path) -> None:
-    cmd = collapse.fit_command("configs/lab/constant.yaml", Path("configs/lab/arms/llds.yaml"), tmp_path, "llds", 7, "runs/lab/policy_q1",
+    cmd = collapse.fit_command("lab/configs/constant.yaml", Path("lab/configs/arms/llds.yaml"), tmp_path, "llds", 7, "runs/lab/policy_q1",
                                12, ["configs/guard.yaml"], ["--model.lr", "1e-4"])
     configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
-    assert configs == ["configs/lab/constant.yaml", "configs/lab/arms/llds.yaml", "configs/guard.yaml"]
+    assert configs == ["lab/configs/constant.yaml", "lab/configs/arms/llds.yaml", "configs/guard.yaml"]
     assert cmd[cmd.index("--seed_everything") + 1] == "7" and cmd[cmd.index("--data.seed") + 1] == "7"
     assert cmd[cmd.index("--model.policy.model") + 1] == "runs/lab/policy_q1"
     assert cmd[cmd.index("--trainer.max_steps") + 1] == "12" and cmd[-2:] == ["--model.lr", "1e-4"]
@@ -115,9 +115,9 @@ def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
 
 
 def test_alarm_scoring_by_hand() -> None:
-    """benchmarks/alarm_eval.py's scoring: a warning counts for a collapse within 100 steps after
+    """lab/alarm_eval.py's scoring: a warning counts for a collapse within 100 steps after
     it; earlier or collapse-less warnings are false alarms."""
-    ev = load_benchmark("alarm_eval")
+    ev = load_lab("alarm_eval")
     assert ev.score([150, 250], 270, 100, 20) == {"false": 1, "lead": 20, "warned": True}
     assert ev.score([260], 270, 100, 20) == {"false": 0, "lead": 10, "warned": False}
     assert ev.score([280], 270, 100, 20) == {"false": 1, "lead": None, "warned": False}  # after the fall
@@ -125,7 +125,7 @@ def test_alarm_scoring_by_hand() -> None:
 
 
 def test_reward_baseline_fires_when_the_condition_starts(tmp_path) -> None:
-    ev = load_benchmark("alarm_eval")
+    ev = load_lab("alarm_eval")
     archived(tmp_path / "grpo" / "seed0", [0.8] * 80 + [0.55] * 40)
     (run,) = ev.load_runs([str(tmp_path)])
     # trailing-20 at t >= 80: (0.8 (99 - t) + 0.55 (t - 79)) / 20 < 0.85 x 0.8 <=> t > 88.6 -> first at 89

@@ -1,4 +1,4 @@
-"""benchmarks/demo_curve.py on a hand-built run: four dev questions, two evaluations, six training
+"""lab/demo_curve.py on a hand-built run: four dev questions, two evaluations, six training
 steps; every number worked out by hand below."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_benchmark
+from conftest import load_lab
 
 
 def _records(ems: list[float], searches: tuple[int, ...] = (1, 1, 1, 1)) -> list[dict]:
@@ -29,7 +29,7 @@ def _run(tmp_path: Path) -> Path:
 
 
 def test_curve_by_hand(tmp_path):
-    dc = load_benchmark("demo_curve")
+    dc = load_lab("demo_curve")
     c = dc.curve(_run(tmp_path), block=3, compare=3)
     (dev,) = c["dev"]  # val_after_step10 is not a second evaluation
     # differences per question: +1, +1, 0, 0 -> mean 0.5, sd sqrt(1/3), se sqrt(1/3)/2
@@ -47,7 +47,7 @@ def test_curve_by_hand(tmp_path):
 
 
 def test_archive_round_trip_and_missing_baseline(tmp_path):
-    dc = load_benchmark("demo_curve")
+    dc = load_lab("demo_curve")
     run = _run(tmp_path)
     dc.archive(run, tmp_path / "kept")
     assert gzip.decompress((tmp_path / "kept" / "metrics.csv.gz").read_bytes()) == (run / "metrics.csv").read_bytes()

@@ -1,4 +1,4 @@
-"""benchmarks/demo_seeds.py (the report of docs/demo/PLAN_light_warmstart.md) on hand-built arms:
+"""lab/demo_seeds.py (the report of lab/archive/demo/PLAN_light_warmstart.md) on hand-built arms:
 four test questions, four recipe seeds and the context arm; every number worked out by hand below."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_benchmark
+from conftest import load_lab
 
 
 def _records(ems: list[float]) -> list[dict]:
@@ -37,7 +37,7 @@ def _arms(root: Path) -> Path:
 
 
 def test_report_by_hand(tmp_path):
-    ds = load_benchmark("demo_seeds")
+    ds = load_lab("demo_seeds")
     r = ds.report(_arms(tmp_path))
     arms = r["arms"]
     assert [arms[f"n32_seed{s}"]["passes"] for s in range(4)] == [True, True, False, True]
@@ -58,7 +58,7 @@ def test_report_by_hand(tmp_path):
 
 
 def test_one_failing_replication_too_many_means_no(tmp_path):
-    ds = load_benchmark("demo_seeds")
+    ds = load_lab("demo_seeds")
     root = _arms(tmp_path)
     (root / "n32_seed3" / "version_1").mkdir()  # a rerun: the newest version is the arm's
     for stem, ems in (("val_before_step0", [0, 0, 0, 1]), ("val_after_step14", [1, 1, 0, 1])):
@@ -68,7 +68,7 @@ def test_one_failing_replication_too_many_means_no(tmp_path):
 
 
 def test_missing_primary_arm_or_evaluation_is_named(tmp_path):
-    ds = load_benchmark("demo_seeds")
+    ds = load_lab("demo_seeds")
     _arm(tmp_path, "n32_seed1", [0, 0, 0, 0], [1, 1, 1, 0])
     with pytest.raises(Exception, match="n32_seed0"):
         ds.report(tmp_path)
@@ -79,7 +79,7 @@ def test_missing_primary_arm_or_evaluation_is_named(tmp_path):
 
 
 def test_majority_rule_counts_every_seed(tmp_path):
-    ds = load_benchmark("demo_seeds")
+    ds = load_lab("demo_seeds")
     _arm(tmp_path, "n32_seed0", [0, 0, 0, 0], [1, 1, 0, 0])  # d = 1,1,0,0: .5 < 2 * .2887 -> fails
     _arm(tmp_path, "n32_seed1", [0, 0, 0, 0], [1, 1, 1, 0])  # passes
     _arm(tmp_path, "n32_seed2", [0, 0, 0, 0], [0, 1, 1, 1])  # passes

@@ -1,4 +1,4 @@
-"""benchmarks/heal_eval.py on hand-built archives: pairing by seed, heals read from heal/* rows,
+"""lab/heal_eval.py on hand-built archives: pairing by seed, heals read from heal/* rows,
 false-alarm heals judged against the unhealed run's collapse."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pandas as pd
-from conftest import load_benchmark
+from conftest import load_lab
 
 
 def archived(path: Path, reward: list[float], heal_at: dict[int, int] | None = None) -> None:
@@ -26,7 +26,7 @@ def archived(path: Path, reward: list[float], heal_at: dict[int, int] | None = N
 
 
 def test_heals_paired_with_the_unhealed_collapse(tmp_path: Path) -> None:
-    heal_eval = load_benchmark("heal_eval")
+    heal_eval = load_lab("heal_eval")
     high, low = [0.6] * 150, [0.0] * 150
     # Unhealed seed 1 collapses at step 159: its trailing-20 mean first reaches half the peak (10 of 20
     # steps at 0: 0.3 = 0.5 x 0.6) and stays there; seed 2 never.

@@ -1,5 +1,5 @@
-"""The committed lab evidence: every report under docs/collapse_lab/ is recomputed from its archived
-per-step metrics (``benchmarks/collapse.py --report-only``) and must equal the committed one, so no
+"""The committed lab evidence: every report under lab/archive/collapse/ is recomputed from its archived
+per-step metrics (``lab/collapse.py --report-only``) and must equal the committed one, so no
 number of the reports can drift from the data it claims to summarise."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, load_lab
 
-LAB = ROOT / "docs" / "collapse_lab"
+LAB = ROOT / "lab" / "archive" / "collapse"
 
 
 def current_runner_sets() -> list[str]:
     """Sets written by today's runner: their collapse.json has a ``horizon`` (the earlier lab's
-    reports, docs/collapse_lab/plateau/ and single_seed/, were judged by the runner of commit
+    reports, lab/archive/collapse/plateau/ and single_seed/, were judged by the runner of commit
     d613d79 under other criteria and are kept as they were)."""
     out = []
     for report in sorted(LAB.glob("*/collapse.json")):
@@ -31,7 +31,7 @@ SETS = current_runner_sets()
 
 @pytest.fixture(scope="module")
 def collapse():
-    return load_benchmark("collapse")
+    return load_lab("collapse")
 
 
 @pytest.mark.parametrize("name", SETS)
@@ -47,8 +47,8 @@ def test_committed_report_is_recomputed_from_its_metrics(collapse, name: str, tm
     shutil.copy(src / "collapse.json", dst / "collapse.json")
     assert collapse.main(["--name", name, "--report-only", "--no-figure", "--archive", str(dst)]) == 0
     assert (dst / "collapse.md").read_text() == (src / "collapse.md").read_text(), (
-        f"docs/collapse_lab/{name}/collapse.md differs from its recomputation: run "
-        f"`python benchmarks/collapse.py --name {name} --report-only`")
+        f"lab/archive/collapse/{name}/collapse.md differs from its recomputation: run "
+        f"`python lab/collapse.py --name {name} --report-only`")
 
 
 def _arm_runs(name: str, arm: str) -> dict[int, dict]:
@@ -121,7 +121,7 @@ def test_readme_5e4_numbers_recomputed_independently() -> None:
 
 def _last100_mean_reward(run: Path) -> float:
     """Mean train/reward over the last 100 logged steps, read with the csv module (not
-    lldslight/collapse.py nor benchmarks/heal_eval.py)."""
+    lldslight/collapse.py nor lab/heal_eval.py)."""
     import csv
     with gzip.open(run / "metrics.csv.gz", "rt") as f:
         rewards = {int(r["step"]): float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")}
@@ -143,8 +143,8 @@ def test_readme_healing_numbers_recomputed_independently() -> None:
 
 @pytest.mark.skipif(not (LAB / "alarm.json").is_file(), reason="the alarm validation is not archived")
 def test_readme_alarm_numbers_are_the_validation_json() -> None:
-    """The README's alarm sentence quotes docs/collapse_lab/alarm.json's held-out score at the
-    calibrated h (benchmarks/alarm_eval.py writes it from the archives)."""
+    """The README's alarm sentence quotes lab/archive/collapse/alarm.json's held-out score at the
+    calibrated h (lab/alarm_eval.py writes it from the archives)."""
     t = json.loads((LAB / "alarm.json").read_text())["test_at_chosen_h"]
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"warned {t['warned_in_time']} of {t['collapses']} held-out collapses 20+ steps ahead, with "
@@ -186,7 +186,7 @@ def test_readme_epyc_controls_recomputed_independently() -> None:
 def test_readme_two_search_demo_recomputed_independently() -> None:
     """The README's two-search demo figures, recomputed from the archived evaluations by hand
     (zip by position after sorting by question, not lldslight.evaluation.paired_change)."""
-    run = ROOT / "docs" / "demo" / "two_searches"
+    run = ROOT / "lab" / "archive" / "demo" / "two_searches"
 
     def records(name: str) -> list[dict]:
         rows = json.loads(gzip.decompress((run / name).read_bytes()))["records"]
@@ -208,7 +208,7 @@ def test_readme_two_search_demo_recomputed_independently() -> None:
 
 def _test_ems(arms: Path, seeds: range, n: int = 32) -> list[tuple[list[float], list[float]]]:
     """(EM before, EM after) per seed from an archived light-warm-start test, both sorted by
-    question, by hand (not benchmarks/demo_seeds.py nor lldslight.evaluation.paired_change)."""
+    question, by hand (not lab/demo_seeds.py nor lldslight.evaluation.paired_change)."""
     out = []
     for seed in seeds:
         run = arms / f"n{n}_seed{seed}"
@@ -225,12 +225,12 @@ def _test_ems(arms: Path, seeds: range, n: int = 32) -> list[tuple[list[float], 
 
 
 def test_readme_light_warmstart_demo_recomputed_independently() -> None:
-    """The README's figures for the two registered tests of docs/demo/PLAN_light_warmstart.md."""
+    """The README's figures for the two registered tests of lab/archive/demo/PLAN_light_warmstart.md."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     t975 = {2: 4.303, 3: 3.182}  # Student's t tables
-    first_test = ROOT / "docs" / "demo" / "light_warmstart"
+    first_test = ROOT / "lab" / "archive" / "demo" / "light_warmstart"
     first_ems = _test_ems(first_test, range(4))
-    for ems in (first_ems, _test_ems(ROOT / "docs" / "demo" / "light_warmstart_kb1", range(3))):
+    for ems in (first_ems, _test_ems(ROOT / "lab" / "archive" / "demo" / "light_warmstart_kb1", range(3))):
         diffs = [[a - b for a, b in zip(after, before)] for before, after in ems]
         changes = [(sum(d) / 64, statistics.stdev(d) / 8) for d in diffs]
         mean = statistics.fmean(c for c, _ in changes)

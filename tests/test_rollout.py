@@ -287,7 +287,7 @@ def test_inverse_cdf_sampling_follows_the_distribution(tiny_policy):
     for kw in ({}, {"temperature": 0.5}, {"top_k": 3}, {"top_p": 0.8, "temperature": 2.0}):
         engine = RolloutEngine(tok, None, ExactMatchReward(), RolloutConfig(**kw))
         torch.manual_seed(0)
-        tokens, logp = engine._sample(logits.clone(), torch.rand(len(logits), dtype=torch.float64))
+        tokens, logp = engine.sample(logits.clone(), torch.rand(len(logits), dtype=torch.float64))
         scaled = logits[0] / kw.get("temperature", 1.0)
         probs = torch.softmax(scaled, -1)
         assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)  # log-probs of the unfiltered softmax
@@ -322,10 +322,10 @@ def test_ragged_cache_writes_each_row_at_its_own_position(dtype, rows):
     """The cache's write (index_put, for every slot or some) against a hand-written loop: token j of
     slot s lands at position at[b, j] of that slot and nowhere else; the returned keys are the
     slots' first kv_len positions."""
-    from lldslight.rollout.cache import _RaggedCache
+    from lldslight.rollout.cache import RaggedCache
 
     S, H, D = 3, 2, 4
-    cache = _RaggedCache()
+    cache = RaggedCache()
     cache.prepare(torch.tensor([[0, 1], [0, 1], [0, 1]]), None, 2)
     first = torch.randn(S, H, 2, D).to(dtype)
     cache.update(first, -first, 0)

@@ -1,4 +1,4 @@
-"""CollapseAlarm: the collapse alarm of lldslight.alarm, fed every training step (issue 20).
+"""CollapseAlarm: the collapse alarm of lldslight.alarm, fed every training step.
 
 Each training step it reads the step's metrics from ``GRPOModule.last_step_metrics`` (train/*) and
 ``LLDMonitor.last_metrics`` (lld/*, diag/*), feeds them to an :class:`lldslight.alarm.AlarmRule`

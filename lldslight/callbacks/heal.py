@@ -1,4 +1,4 @@
-"""Heal: a run that rolls itself back and changes course when the collapse alarm fires (issue 20).
+"""Heal: a run that rolls itself back and changes course when the collapse alarm fires.
 
 Every ``every`` steps Heal takes a snapshot of what the run's future depends on: the trainable
 weights, the optimiser state, the scheduler state, the RNG streams (torch, numpy, python, CUDA:

@@ -25,7 +25,7 @@ from lldslight.errors import require
 from lldslight.policy import decoder_and_head
 
 
-class _RaggedCache(DynamicCache):
+class RaggedCache(DynamicCache):
     """The KV cache of one rollout batch: per layer, keys and values in buffers
     [S, kv_heads, C, head_dim] (S slots, capacity C), slot s holding its row's tokens at positions
     0..length-1 (left-aligned, no holes: each row attends over its own length only). Before a
@@ -100,7 +100,7 @@ class _RaggedCache(DynamicCache):
         return self.kv_len
 
 
-class _Decoder:
+class Decoder:
     """The policy's decoder and LM head over a ragged cache: new tokens at explicit positions, with
     the 4-D mask that lets each see its own row's earlier tokens and nothing else."""
 
@@ -114,7 +114,7 @@ class _Decoder:
         self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
         embeddings = model.get_input_embeddings().weight  # the hidden states' dtype (weights may be packed 4-bit)
         self.device, self.dtype = embeddings.device, embeddings.dtype
-        self.cache = _RaggedCache()
+        self.cache = RaggedCache()
 
     def __call__(self, ids: Tensor, at: Tensor, kv_len: int, rows: Optional[Tensor] = None) -> Tensor:
         """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot);

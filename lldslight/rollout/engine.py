@@ -48,7 +48,7 @@ from lldslight.rewards import ModelText, exact_match, f1_score, final_answer
 from lldslight.trajectory import Trajectory
 
 from .answer import answer_token_span
-from .cache import _Decoder
+from .cache import Decoder
 from .layout import Layout, pack
 from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
 
@@ -203,7 +203,7 @@ class RolloutEngine:
         8. one decode forward over every slot; rows not decoding write past their length (their
            next real token overwrites it) and their outputs are ignored.
         """
-        decoder = _Decoder(model)
+        decoder = Decoder(model)
         device = decoder.device
         self._eos = frozenset(self.eos_ids)
         self.stats = dict.fromkeys(
@@ -257,7 +257,7 @@ class RolloutEngine:
                 self.stats["decode_s"] += time.perf_counter() - clock
         return rows
 
-    def _prefill_prompts(self, decoder: "_Decoder", examples: list[QAExample], G: int, greedy: bool) -> tuple[list[_Row], "_Slots"]:
+    def _prefill_prompts(self, decoder: "Decoder", examples: list[QAExample], G: int, greedy: bool) -> tuple[list[_Row], "_Slots"]:
         """Step 1: every distinct prompt prefilled in one right-padded forward; each prompt's cache
         row and logits repeated for its G rollouts. Each sampled row gets its own random stream,
         seeded from torch's global generator (so ``torch.manual_seed`` fixes every rollout)."""
@@ -293,7 +293,7 @@ class RolloutEngine:
         if len(decoding) < len(slots.rows):
             logits = logits[torch.tensor(decoding, device=logits.device)]  # [B, V]
         u = None if greedy else torch.tensor([rows[slots.rows[s]].uniform() for s in decoding], device=logits.device)
-        tokens, token_logp = self._sample(logits, u)
+        tokens, token_logp = self.sample(logits, u)
         fed = {}
         for s, tok, logp in zip(decoding, tokens.tolist(), token_logp.tolist()):  # one host transfer
             row = rows[slots.rows[s]]
@@ -359,7 +359,7 @@ class RolloutEngine:
         else:
             row.phase = "ready"
 
-    def _prefill_observations(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", ready: list[int]) -> None:
+    def _prefill_observations(self, decoder: "Decoder", rows: list[_Row], slots: "_Slots", ready: list[int]) -> None:
         """Step 4: for the ``ready`` slots only, each row's last sampled token (never fed while
         decoding) and its observation as one right-padded block written at the row's length."""
         blocks = [[rows[r].layout.segments[-2][0][-1]] + rows[r].layout.segments[-1][0] for r in (slots.rows[s] for s in ready)]
@@ -379,7 +379,7 @@ class RolloutEngine:
             row.turn_index += 1
             self._start_turn(row)
 
-    def _compact(self, decoder: "_Decoder", rows: list[_Row], slots: "_Slots", fed: dict[int, int]) -> dict[int, int]:
+    def _compact(self, decoder: "Decoder", rows: list[_Row], slots: "_Slots", fed: dict[int, int]) -> dict[int, int]:
         """Step 7: finished rows leave the cache once they are a quarter of it (one copy of the
         cache, amortised over many steps); returns ``fed`` renumbered to the new slots."""
         done = sum(rows[r].phase == "done" for r in slots.rows)
@@ -394,7 +394,7 @@ class RolloutEngine:
         renumber = {s: i for i, s in enumerate(keep)}
         return {renumber[s]: tok for s, tok in fed.items()}
 
-    def _decode_forward(self, decoder: "_Decoder", slots: "_Slots", fed: dict[int, int]) -> None:
+    def _decode_forward(self, decoder: "Decoder", slots: "_Slots", fed: dict[int, int]) -> None:
         """Step 8: one token per slot at its length: the fed rows' sampled tokens (the others' pad
         lands where their next real token will be written)."""
         device = decoder.device
@@ -414,7 +414,7 @@ class RolloutEngine:
         self.stats[key] += now - since
         return now
 
-    def _sample(self, logits: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    def sample(self, logits: Tensor, u: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """(tokens [B], their log-probs [B]) from logits [B, V]: the argmax when ``u`` is None, else
         by inverse CDF: the first token whose cumulative probability exceeds u [B] (one uniform per
         row, from its own stream). One exp and one in-place cumulative sum over the vocabulary:
