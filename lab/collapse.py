@@ -296,9 +296,9 @@ def _f(value, spec: str = ".3f") -> str:
     return "n/a" if value is None or not C.finite(value) else format(value, spec)
 
 
-def table(runs: list[dict], arms: dict, labels: dict[str, str], baseline: str, horizon: int) -> str:
+def table(runs: list[dict], arms: dict, labels: dict[str, str], baseline: str, horizon: int, hold: int = 20) -> str:
     lines = [f"Horizon {horizon} steps. Collapse: trailing-20 reward <= 0.5 x its running peak, or trailing-20 answered rate < 0.5,"
-             " for 20 steps (lldslight/collapse.py).", "",
+             f" for {hold} steps (lldslight/collapse.py).", "",
              "| arm | seed | collapsed (step, cause, mode) | peak reward (step) | final reward | final answered / tool call "
              "| Delta<0 share | explosions | first LLD warning (lead) | dev EM before -> after | steps |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -386,7 +386,7 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
                 entry["error"] = f"{type(err).__name__}: {err}"
         runs.append(entry)
     arms = arm_stats(runs, baseline, horizon)
-    text = table(runs, arms, labels, baseline, horizon)
+    text = table(runs, arms, labels, baseline, horizon, crit.hold)
     png = None
     if any("error" not in r for r in runs):
         # --no-figure keeps the committed figure: the table still points at it.
@@ -419,6 +419,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", dest="extra_configs", action="append", default=[], help="extra config after the arm's (repeatable)")
     parser.add_argument("--out", default=None, help="where the runs go (default runs/lab/NAME)")
     parser.add_argument("--archive", default=None, help="where the evidence goes (default lab/archive/collapse/NAME)")
+    parser.add_argument("--hold", type=int, default=None,
+                        help="consecutive steps the collapse condition must hold (default: the archive's, else CollapseCriteria's 20)")
     parser.add_argument("--report-only", action="store_true", help="only redo collapse.{json,md,png} from the archive")
     parser.add_argument("--no-figure", action="store_true", help="with --report-only: leave collapse.png as it is")
     parser.add_argument("--force", action="store_true", help="redo runs already archived, deleting their previous output first")
@@ -452,7 +454,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         arms = list(dict.fromkeys(a for a, _ in jobs))
         # An archive without its collapse.json: the horizon is the recipe's max_steps, as for a new run.
         horizon = args.horizon or meta.get("horizon") or args.steps or recipe_steps(args.recipe or meta.get("recipe") or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE))
-        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta, draw=not args.no_figure)
+        # The hold a set was registered with is kept in its meta: a later --report-only uses it.
+        meta["hold"] = args.hold or meta.get("hold") or C.CollapseCriteria().hold
+        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta,
+               C.CollapseCriteria(hold=meta["hold"]), draw=not args.no_figure)
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)
@@ -514,7 +519,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     earlier = json.loads(previous.read_text())["meta"].get("runs", {}) if previous.is_file() else {}
     meta["runs"] = {**{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **run_all(commands, out, archive, args.jobs, args.threads)}
     meta["wall_s"] = time.perf_counter() - t0
-    report(archive, jobs, labels, meta["baseline"], horizon, meta)
+    meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
+        or C.CollapseCriteria().hold
+    report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
     failed = [n for n, r in meta["runs"].items() if "error" in r]
     if failed:
         print(f"collapse: {len(failed)} run(s) failed: {', '.join(failed)} (see collapse.md)", file=sys.stderr)

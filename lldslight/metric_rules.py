@@ -71,6 +71,12 @@ RULES: tuple[Rule, ...] = (
     Rule("llds/loss", "sum", "mean", "LLDS's loss term: a share"),
     Rule("llds/active_actions", "sum", "mean", "a count per mini-batch"),
     Rule("llds/active_tokens", "sum", "mean", "a count per mini-batch"),
+    # -- drift of a rollout batch's updates (update.py: drift_shares, the drift bound; AdaptiveRate) ----
+    Rule("drift/updates", "mean", "mean", "updates applied this step: ranks decide the drift bound alike"),
+    Rule("drift/stopped", "mean", "mean", "1 when the drift bound stopped the step's updates: the same on every rank"),
+    Rule("drift/lr_scale", "mean", None, "AdaptiveRate's factor on the schedule: the same on every rank"),
+    Rule("drift/target_kl", "mean", None, "AdaptiveRate's target: the same on every rank"),
+    Rule("drift/*", "sum", "mean", "shares of a mini-batch token mean (and the last update's), added up over ranks"),
     # -- an update's values that every rank shares (update.py: RolloutUpdates.shared) ------------------
     Rule("train/grad_norm", "mean", "mean", "the global norm, the same on every rank"),
     Rule("train/vetoed_updates", "mean", "sum", "ranks agree on every veto; a step's vetoes add up"),

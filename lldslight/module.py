@@ -110,6 +110,11 @@ class GRPOModule(pl.LightningModule):
             only on A < 0 tokens inside the longest prefix shared with a correct (A > 0) rollout
             of the same group (the paper's specific LLD route; NTHR, arXiv 2505.18830, is related).
             Normalisers are unchanged (zeroed tokens still count).
+        target_kl: the drift bound: once a mini-batch's KL(pi_old || pi_theta), measured before its
+            step (``drift/kl_k3``), passes ``target_kl_factor x target_kl``, that update and the rollout
+            batch's remaining ones are skipped (Stable-Baselines3's ``target_kl``; docs/stability.md).
+            None = off.
+        target_kl_factor: the multiple of ``target_kl`` that stops the updates (1.5, as SB3).
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
     """
@@ -142,6 +147,8 @@ class GRPOModule(pl.LightningModule):
         shuffle_minibatches: bool = _U.shuffle_minibatches,
         minibatch_grouping: update.MinibatchGrouping = _U.minibatch_grouping,
         negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
+        target_kl: Optional[float] = _U.target_kl,
+        target_kl_factor: float = _U.target_kl_factor,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()

@@ -51,6 +51,11 @@ from lldslight.metric_rules import logged_name, over_updates, reduction
 from lldslight.trajectory import Trajectory
 
 
+DRIFT_PREFIX = "drift/"
+# Per update, each a share of a mini-batch token mean (update.drift_shares); logged as the mean over
+# the step's updates and as ``<key>_last``, the last update's.
+DRIFT_PER_UPDATE = ("drift/kl_k3", "drift/kl_k1", "drift/log_ratio_m2", "drift/ratio_m2", "drift/clip_frac")
+
 OldLogpSource = Literal["recompute", "rollout"]
 MinibatchGrouping = Literal["rows", "prompts"]
 
@@ -98,6 +103,12 @@ class UpdateConfig:
     """Split rows, or whole prompts' groups, into mini-batches."""
     negative_advantages: obj.NegativeAdvantages = "keep"
     """A collapse-lab control on the policy gradient of rows with A < 0 (objectives.policy_gradient_weight)."""
+    target_kl: Optional[float] = None
+    """Drift bound: stop a rollout batch's remaining updates once a mini-batch's measured
+    KL(pi_old || pi_theta) (k3, on its model tokens, before its step) passes ``target_kl_factor x
+    target_kl``; that mini-batch's update is not applied (Stable-Baselines3's ``target_kl``). None = off."""
+    target_kl_factor: float = 1.5
+    """The early stop fires above this multiple of ``target_kl`` (1.5, as Stable-Baselines3 and Spinning Up)."""
 
     def __post_init__(self) -> None:
         require(self.grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
@@ -114,6 +125,10 @@ class UpdateConfig:
                              ("negative_advantages", obj.NegativeAdvantages)):
             value = getattr(self, key)
             require(value in get_args(choices), f"model.{key}", f"one of {get_args(choices)}", value)
+        require(self.target_kl is None or (math.isfinite(self.target_kl) and self.target_kl > 0), "model.target_kl",
+                "> 0 (a KL in nats per token, e.g. 0.01-0.05) or null (no drift bound)", self.target_kl)
+        require(math.isfinite(self.target_kl_factor) and self.target_kl_factor >= 1.0, "model.target_kl_factor",
+                ">= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 
@@ -234,6 +249,12 @@ class RolloutUpdates:
                 metrics[name] = _over_updates(over_updates(name), values)
                 if k == "grad_norm":
                     metrics["train/grad_norm_max"] = max(values)
+                if name.startswith(DRIFT_PREFIX) and name in DRIFT_PER_UPDATE:
+                    # The last update's value: the drift the rollout batch ended with (the mean
+                    # over updates dilutes it with the on-policy update's zero).
+                    metrics[name + "_last"] = values[-1]
+                    if channel is self.summed:
+                        summed.add(name + "_last")
                 if channel is self.summed:
                     summed.add(name)
         return metrics, summed
@@ -269,6 +290,7 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
     lr = float(optimizer.param_groups[0]["lr"])  # the scheduler steps after the updates
     summed: dict[str, list[float]] = {}
     shared: dict[str, list[float]] = {}
+    applied = 0
     for update_index, rows in enumerate(minibatches):
         result = update(module, traj, rows, update_index, optimizer, searches)
         if result.old_logp is not None:  # the on-policy mini-batch measured its own old log-probs
@@ -276,6 +298,12 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
         for out, part in ((summed, result.summed), (shared, result.shared)):
             for k, v in part.items():
                 out.setdefault(k, []).append(v)
+        if result.stopped:
+            break  # the drift bound: this rollout batch has moved the policy far enough
+        applied += 1
+    # Every rank records the same keys: the shared channel carries the stop, the same on every rank.
+    shared["drift/updates"] = [float(applied)]
+    shared["drift/stopped"] = [float(applied < len(minibatches))]
     scheduler.step()
     timings["update_s"] = time.perf_counter() - t0
     hostmem.trim()
@@ -354,6 +382,7 @@ class _Update:
     summed: dict[str, float]
     shared: dict[str, float]
     old_logp: Optional[Tensor]  # the rollout batch's old log-probs with the pending rows filled in
+    stopped: bool = False  # the drift bound stopped the rollout batch here; this update was not applied
 
 
 def micro_batches(module: Learner, traj: Trajectory, rows: Tensor) -> list[Tensor]:
@@ -418,13 +447,31 @@ def update(module: Learner, traj: Trajectory, rows: Tensor, update_index: int, o
                     module.manual_backward(logp.sum() * 0.0)
         for k, v in stats.items():  # shares and counts add up over micro-batches, maxima stay maxima (metric_rules)
             summed[k] = v if k not in summed else _combine(reduction(logged_name(k), default="sum"), summed[k], v)
-    shared = step(module, optimizer, update_index, loss_ok, float(summed.get("loss", float("nan"))))
+    stopped = drift_bound_passed(module.update_config, summed, update_index, module.device)
+    if stopped:
+        # Measured, not applied: the gradient of a mini-batch beyond the bound is dropped, as
+        # Stable-Baselines3 stops before the step whose KL passed its target.
+        optimizer.zero_grad(set_to_none=True)
+        shared = {}
+    else:
+        shared = step(module, optimizer, update_index, loss_ok, float(summed.get("loss", float("nan"))))
     old_logp = None
     if filled:
         old_logp = traj.old_logp.clone()
         for idx, values in filled:
             old_logp[idx.to(old_logp.device), : values.shape[1]] = values
-    return _Update({k: float(v) for k, v in summed.items()}, shared, old_logp)
+    return _Update({k: float(v) for k, v in summed.items()}, shared, old_logp, stopped)
+
+
+def drift_bound_passed(cfg: UpdateConfig, summed: Mapping[str, Tensor | float], update_index: int, device) -> bool:
+    """Whether this mini-batch's KL(pi_old || pi_theta), measured before its step, passes the drift
+    bound (``target_kl_factor x target_kl``). The on-policy first update is never stopped (its KL
+    is the sampler/trainer mismatch, not drift). The KL is this rank's share: summed over ranks
+    here (a collective every rank runs, once per update) so that every rank decides alike."""
+    if cfg.target_kl is None or update_index == 0:
+        return False
+    share = torch.tensor([float(summed.get("drift/kl_k3", 0.0))], dtype=torch.float64, device=device)
+    return float(sum_over_ranks(share)[0]) > cfg.target_kl_factor * cfg.target_kl
 
 
 def _combine(kind: str, a: Tensor | float, b: Tensor | float) -> Tensor | float:
@@ -452,6 +499,31 @@ def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float)
     return {"rollout/logp_mismatch": d.abs().sum() / n, "rollout/logp_mismatch_kl": (torch.expm1(d) - d).sum() / n}
 
 
+def drift_shares(logp: Tensor, old_logp: Tensor, mask: Tensor, tokens: float) -> dict[str, Tensor]:
+    """How far pi_theta has moved from pi_old on these rows' model tokens, before the step: this
+    micro-batch's share of each mini-batch token mean (sums over its tokens divided by the
+    mini-batch's ``tokens``, so shares add up over micro-batches and ranks).
+
+    With log r = log pi_theta - log pi_old per token (tokens drawn from pi_old):
+    - ``drift/kl_k1``: mean of -log r, the plain estimator of KL(pi_old || pi_theta) (unbiased, may
+      be negative on a mini-batch);
+    - ``drift/kl_k3``: mean of (r - 1) - log r, Schulman's k3 estimator of the same KL (unbiased,
+      >= 0 token by token; the one the drift bound reads);
+    - ``drift/log_ratio_m2``: mean of (log r)^2, M2PO's second moment of the log-ratio;
+    - ``drift/ratio_m2``: mean of r^2, the second moment of the importance ratio itself
+      (1 + the chi-square divergence; it explodes first when a token's ratio does).
+    float64: for tiny log r, k3 ~ (log r)^2 / 2 is below float32's resolution of r - 1."""
+    ok = mask & torch.isfinite(logp) & torch.isfinite(old_logp)
+    d = torch.where(ok, logp.double() - old_logp.double(), 0.0)  # [b, T] log r
+    n = max(tokens, 1.0)
+    return {
+        "drift/kl_k3": (torch.expm1(d) - d).sum() / n,
+        "drift/kl_k1": (-d).sum() / n,
+        "drift/log_ratio_m2": d.square().sum() / n,
+        "drift/ratio_m2": torch.where(ok, torch.exp(2 * d), 0.0).sum() / n,
+    }
+
+
 def micro_batch_loss(
     module: Learner, sub: Trajectory, logp: Tensor, entropy: Tensor, totals: Totals, searches: float, update_index: int
 ) -> tuple[Tensor, dict[str, Tensor | float]]:
@@ -474,6 +546,8 @@ def micro_batch_loss(
     pg, ratio, clipped = obj.clipped_surrogate(
         logp, old_logp, sub.advantage, cfg.clip_eps, cfg.clip_eps_high, cfg.ratio_clamp
     )
+    drift = drift_shares(logp.detach(), old_logp, mask, tokens)
+    drift["drift/clip_frac"] = (clipped & mask).sum() / tokens
     if sub.pg_weight is not None:
         pg = pg * sub.pg_weight  # a negative-gradient control: the weight changes the gradient, not the normaliser
     pg_loss = obj.aggregate(pg, mask, cfg.aggregation, n)
@@ -485,6 +559,7 @@ def micro_batch_loss(
         "ratio_max": ratio.detach().masked_fill(~mask, 0.0).max() if bool(mask.any()) else 1.0,
         "nonfinite_tokens": nonfinite,
         "nonfinite_loss": 0.0,  # set by update(): every rank logs the same keys
+        **drift,
     }
     if cfg.kl_coef > 0:
         kl = obj.aggregate(obj.kl_penalty(logp, ref_logp, cfg.kl_estimator), mask, cfg.aggregation, n)

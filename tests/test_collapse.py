@@ -150,3 +150,19 @@ def test_holm_by_hand():
     adjusted = C.holm([0.004, 0.5, 0.024, 0.083, 0.262])
     assert adjusted == pytest.approx([0.02, 0.524, 0.096, 0.249, 0.524])
     assert C.holm([0.3, 0.9]) == pytest.approx([0.6, 0.9]) and C.holm([]) == []
+
+
+def test_stratified_fisher_by_hand():
+    from scipy.stats import fisher_exact
+
+    # One stratum: Fisher's own one-sided test (scipy, an independent implementation).
+    for table in ((5, 5, 1, 5), (3, 5, 1, 5), (7, 10, 2, 10)):
+        ca, na, cb, nb = table
+        want = fisher_exact([[ca, na - ca], [cb, nb - cb]], alternative="greater").pvalue
+        assert C.fisher_stratified_one_sided([table]) == pytest.approx(want)
+    # Two strata of 1 vs 1 run, each with one collapse: A's count in each is 1 with probability 1/2
+    # (which of the two runs collapsed), so P(sum >= 2) = 1/4 by hand; pooling would say
+    # Fisher([[2, 0], [0, 2]]) = 1/6.
+    assert C.fisher_stratified_one_sided([(1, 1, 0, 1), (1, 1, 0, 1)]) == pytest.approx(0.25)
+    # A stratum with no collapse at all carries no information: the p-value is unchanged.
+    assert C.fisher_stratified_one_sided([(5, 5, 1, 5), (0, 3, 0, 3)]) == pytest.approx(C.fisher_one_sided(5, 5, 1, 5))

@@ -1,6 +1,7 @@
 """Callbacks that compose a run in YAML: rollouts, the LLDS term, guards, diagnostics, the collapse
 alarm and healing, summaries."""
 from lldslight.callbacks.alarm import AlarmEvent, CollapseAlarm
+from lldslight.callbacks.drift import AdaptiveRate
 from lldslight.callbacks.dynamic_sampling import DynamicSampling
 from lldslight.callbacks.guard import GradientSpikeGuard
 from lldslight.callbacks.heal import Heal
@@ -12,5 +13,5 @@ from lldslight.callbacks.summary import RunSummary
 
 __all__ = [
     "SearchRollout", "SearchRolloutOptions", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling",
-    "CollapseAlarm", "AlarmEvent", "Heal", "LLDProbe",
+    "CollapseAlarm", "AlarmEvent", "Heal", "LLDProbe", "AdaptiveRate",
 ]
