@@ -63,7 +63,7 @@ def cache_write_us(dtype, rows: int, kv_heads: int, head_dim: int, capacity: int
 
 def previous_cache_class():
     """The cache as it was: ``scatter_`` when every slot takes part."""
-    from lldslight.rollout.cache import RaggedCache
+    from lldslight.rollout import RaggedCache
 
     class ScatterCache(RaggedCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, sampling_weights
-    from lldslight.rollout.cache import Decoder
+    from lldslight.rollout import Decoder
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

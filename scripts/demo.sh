@@ -14,7 +14,7 @@ bin="${LLDSLIGHT_VENV:-.venv}/bin"
 # rollouts (top-2 passages, observations cut at 120 tokens): enough to learn the format, not yet to
 # answer reliably (greedy dev EM 0.03), which is what GRPO then learns. A 64-example warm start
 # answers from the start (dev EM 0.375) and leaves GRPO nothing it learns in minutes
-# (docs/getting_started.md#the-demo-learns-from-a-light-warm-start). Skipped when already done.
+# (docs/demo_studies.md#the-demo-learns-from-a-light-warm-start). Skipped when already done.
 "$bin/lldslight" sft --data .lldslight/demo_data/train.jsonl --corpus .lldslight/demo_data/corpus.jsonl \
   --out .lldslight/demo_warmstart --limit 32 --topk 2 --max-obs-tokens 120 --max-searches 1 \
   --over-budget truncate --keep-unanswerable

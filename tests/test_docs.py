@@ -32,7 +32,9 @@ METRICS_PAGE = ROOT / "docs" / "metrics.md"
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """The pages a reader follows: the README, docs/, and lab/'s own pages (its archives' dated
+    registrations are records, kept as written)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "lab").glob("*.md"))]
 
 
 def prose(text: str) -> str:
@@ -85,11 +87,31 @@ def test_every_relative_link_resolves():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-def test_pages_link_each_other():
-    """The README reaches every page under docs/ (directly), so none is an orphan."""
-    readme = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if not re.match(r"[a-z]+:", t)}
-    orphans = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in readme]
-    assert not orphans, f"pages the README does not link: {orphans}"
+def linked_from(page: Path) -> set[Path]:
+    """The files ``page`` links to (relative links, anchors dropped)."""
+    return {(page.parent / t.partition("#")[0]).resolve() for t in links(page) if not re.match(r"[a-z][a-z0-9+.-]*:", t)}
+
+
+def test_every_docs_page_is_in_the_index():
+    """docs/index.md links every page under docs/ (directly), so none is an orphan; the README
+    links the index."""
+    index = ROOT / "docs" / "index.md"
+    orphans = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p != index and p.resolve() not in linked_from(index)]
+    assert not orphans, f"pages docs/index.md does not link: {orphans}"
+    assert index.resolve() in linked_from(ROOT / "README.md")
+
+
+def test_readme_is_a_front_door():
+    """The two commands within the README's first 40 lines, the page short, its results table at
+    most 8 rows and linking docs/results.md."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    head = "\n".join(lines[:40])
+    assert "bash scripts/demo.sh" in head and "bash scripts/test.sh" in head
+    assert len(lines) <= 130, len(lines)
+    table = [l for l in lines if l.startswith("| ") and " | verdict |" not in l and not l.startswith("|---")]
+    verdicts = [l for l in table if l.count("|") == 6]  # claim | setting | outcome | test | verdict
+    assert 1 <= len(verdicts) <= 8, verdicts
+    assert (ROOT / "docs" / "results.md").resolve() in linked_from(ROOT / "README.md")
 
 
 def test_readme_commands_and_yaml(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ token-in/token-out. One concern per file:
 - layout.py: a trajectory's token layout (``Layout``) and the packer (``pack``), shared with the
   warm start (lldslight/sft.py);
 - answer.py: detokenising token by token, and the final answer's token span;
-- cache.py: the ragged KV cache of a rollout batch and the forward over it (package-private);
+- cache.py: the ragged KV cache of a rollout batch (``RaggedCache``) and the forward over it
+  (``Decoder``), public for the speed tools that measure them (benchmarks/decode_ops.py);
 - engine.py: ``RolloutConfig`` and ``RolloutEngine``: the scheduling, the sampler, the scored
   Trajectory.
 
@@ -16,6 +17,7 @@ one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every pub
 re-exported here: ``from lldslight.rollout import X`` is the import to use.
 """
 from .answer import answer_token_span, token_texts
+from .cache import Decoder, RaggedCache
 from .engine import RolloutConfig, RolloutEngine
 from .layout import Layout, pack
 from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
@@ -23,7 +25,9 @@ from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, ob
 __all__ = [
     "INVALID_ACTION",
     "STOP_TAGS",
+    "Decoder",
     "Layout",
+    "RaggedCache",
     "RolloutConfig",
     "RolloutEngine",
     "answer_token_span",

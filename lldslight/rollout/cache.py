@@ -10,7 +10,8 @@ group's G rollouts.
 
 Its own file because the cache layout and the mask are one invariant, held against the Hugging
 Face decoder's cache interface (``DynamicCache``: ``update``, ``get_seq_length``) and its two
-attention implementations (sdpa, eager). Both classes are private to the package.
+attention implementations (sdpa, eager). The engine is their user; the speed tools
+(benchmarks/decode_ops.py) measure them directly, through ``lldslight.rollout``.
 """
 from __future__ import annotations
 
