@@ -110,6 +110,14 @@ class GRPOModule(pl.LightningModule):
             only on A < 0 tokens inside the longest prefix shared with a correct (A > 0) rollout
             of the same group (the paper's specific LLD route; NTHR, arXiv 2505.18830, is related).
             Normalisers are unchanged (zeroed tokens still count).
+        shared_prefix: encode the prompt a group's rows share once per micro-batch, in every update
+            forward (pi_old's and the reference's log-probs, the training forward and backward,
+            LLDMonitor's): the rows run as one packed sequence, the prefix's self-attention and each
+            row's attention over prefix + own tokens computed apart (Prefix Grouper, arXiv
+            2506.05433; lldslight/shared_prefix.py). The same log-probs and gradients (tested to
+            fp32 rounding); micro-batches keep a group's rows together, a token budget counts a
+            shared prefix once. Runs the plain forward where it cannot apply (attention other than
+            sdpa, sliding windows, no repeated prefix). False: every row in full.
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
     """
@@ -142,6 +150,7 @@ class GRPOModule(pl.LightningModule):
         shuffle_minibatches: bool = _U.shuffle_minibatches,
         minibatch_grouping: update.MinibatchGrouping = _U.minibatch_grouping,
         negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
+        shared_prefix: bool = _U.shared_prefix,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()
@@ -306,6 +315,7 @@ class GRPOModule(pl.LightningModule):
                 temperature=self.logprob_temperature,
                 with_entropy=with_entropy,
                 entropy_grad=bool(self.update_config.entropy_coef),  # else the entropy is a logged diagnostic only
+                groups=traj.group_id if self.update_config.shared_prefix else None,
             ))
 
     def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import hostmem
+from lldslight import hostmem, shared_prefix
 from lldslight import objectives as obj
 from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
@@ -98,6 +98,9 @@ class UpdateConfig:
     """Split rows, or whole prompts' groups, into mini-batches."""
     negative_advantages: obj.NegativeAdvantages = "keep"
     """A collapse-lab control on the policy gradient of rows with A < 0 (objectives.policy_gradient_weight)."""
+    shared_prefix: bool = True
+    """Encode a group's shared prompt once per micro-batch in every update forward (shared_prefix.py;
+    the same log-probs and gradients); micro-batches keep a group's rows together."""
 
     def __post_init__(self) -> None:
         require(self.grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
@@ -359,9 +362,12 @@ class _Update:
 def micro_batches(module: Learner, traj: Trajectory, rows: Tensor) -> list[Tensor]:
     """Split ``rows`` into micro-batches: ``micro_batch_size`` rows each, or packed by
     ``micro_batch_tokens`` (sorted by length, so rows of similar length share a batch; as many per
-    micro-batch as fit in rows x longest row <= budget, a longer row alone)."""
+    micro-batch as fit in rows x longest row <= budget, a longer row alone). With ``shared_prefix``
+    a group's rows are kept together (shared_prefix.micro_batches)."""
     cfg = module.update_config
     budget = cfg.micro_batch_tokens
+    if cfg.shared_prefix:
+        return shared_prefix.micro_batches(traj.input_ids, traj.attention_mask, traj.group_id, rows, cfg.micro_batch_size, budget)
     if not budget:
         return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     lengths = traj.attention_mask[rows.to(traj.attention_mask.device)].sum(-1).cpu()
