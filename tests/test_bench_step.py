@@ -125,6 +125,15 @@ def test_closing_note_against_the_targets(step):
     assert last == "quiet machine: every run"
 
 
+def test_closing_note_reports_the_shared_prefix_on_and_off(step):
+    """With --shared-prefix both: the unshared run's ratio to TRL and the on / off step ratio."""
+    res = {"step_time_ratio": 0.6, "step_time_ratio_unshared": 0.8, "shared_prefix_ratio": 0.75, "quiet": {"quiet": True}}
+    note = step.closing_note({"precisions": {"fp32": {"threads": {"2": res}}}})[0]
+    assert "step ratio 0.600 = 1.20x the 0.5x target (missed); step ratio (shared prefix off) 0.800 = 1.60x" in note
+    assert note.endswith("shared prefix on / off: step 0.750;")
+    assert step.RATIO_SUFFIX.keys() == set(step.LLDSLIGHT_SIDES) and "lldslight-unshared" in step.SIDES
+
+
 def test_precisions_map_to_each_sides_setting(step):
     assert step.LLDSLIGHT_PRECISION == {"fp32": "fp32", "bf16": "bf16-mixed"}
     with pytest.raises(SystemExit, match="--precision must be"):
