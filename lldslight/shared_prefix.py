@@ -13,10 +13,16 @@ position ids given: a token keeps its column in its row as position) is the same
 fewer tokens. Only attention mixes tokens, and it is split in two exact parts: the prefixes'
 causal self-attention, and each suffix's attention over its group's prefix keys and its own
 earlier keys. A token therefore attends to exactly the keys it attends to in its own row, with
-the same values, so outputs equal the plain forward's (up to floating-point reassociation); the
-prefix's keys and values are expanded over the group's rows by indexing, whose backward sums the
-rows' gradients into the one prefix computation, which is the plain gradient (the sum over the G
-copies of the prefix).
+the same values. The keys of each attention are gathered into the plain row's layout (key t at
+index t, as wide as the micro-batch), because sdpa's result for a query depends on where its keys
+lie and how many there are, not on which other queries run: so each query's sum runs in the plain
+forward's order, and the forward's outputs come out equal to the plain forward's (bit for bit on
+the machine this was written on; to fp32 rounding wherever a matmul's blocking depends on its
+row count), and a row's log-probs do not depend on which rows share its micro-batch, as in the
+plain forward (pi_old's no-grad pass and the training pass pack differently). The prefix's keys
+and values are gathered once per row, and that gather's backward sums the rows' gradients into
+the one prefix computation: the plain gradient, the sum over the G copies of the prefix (summed
+in another order: equal to fp32 rounding).
 
 Why an attention function switched by a keyword argument, not a KV cache (run the prefix with a
 DynamicCache, then the suffixes over it): transformers drops the cache of a decoder layer under
@@ -58,10 +64,10 @@ class PackedGroups:
     position_ids: Tensor  # [1, N] each token's column in its own row
     row_index: Tensor  # [B, T] packed position of row b's token t (0 where padding)
     prefix_index: Tensor  # [n_g, P] packed positions of each group's shared prefix (P: the longest)
-    prefix_mask: Tensor  # [n_g, 1, P, P] bool: causal within a prefix (a padding slot sees itself only)
+    prefix_keys: Tensor  # [n_g, T] packed positions of the keys of each group's first row (as row_index)
+    prefix_mask: Tensor  # [n_g, 1, P, T] bool: a prefix token sees the keys up to itself
     suffix_index: Tensor  # [B, S] packed positions of each row's own tokens (S: the longest)
-    suffix_group: Tensor  # [B] the group slot (0..n_g-1) of each row
-    suffix_mask: Tensor  # [B, 1, S, P + S] bool: the group's prefix, then causal within the suffix
+    suffix_mask: Tensor  # [B, 1, S, T] bool: row b's own tokens see its keys up to themselves
     output_index: Tensor  # [N] where each packed token's output lies in cat(prefix slots, suffix slots)
     tokens_plain: int  # B x T: what the plain forward encodes
     calls: int = field(default=0)  # attention calls that ran split (checked after the forward)
@@ -135,15 +141,15 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Op
     suffix_valid = s_cols[None] < suffix_len[:, None]  # [B, S]
     prefix_index = torch.where(prefix_valid, prefix_start[:, None] + p_cols[None], 0)
     suffix_index = torch.where(suffix_valid, suffix_start[:, None] + s_cols[None], 0)
-    causal_p = p_cols[:, None] >= p_cols[None]  # [P, P]
-    # A padding slot (a query past its prefix's end) sees itself only, so no query row is fully
-    # masked (softmax over nothing is NaN, and NaN in a discarded output still poisons a backward).
-    prefix_mask = causal_p[None] & (prefix_valid[:, None, :] | torch.eye(P, dtype=torch.bool)[None])  # [n_g, P, P]
-    causal_s = s_cols[:, None] >= s_cols[None]  # [S, S]
-    see_prefix = prefix_valid[slot][:, None, :].expand(B, S, P)  # [B, S, P]
-    # a row's suffix slot 0 is always a real token, so every suffix query sees at least that key
-    see_suffix = causal_s[None] & suffix_valid[:, None, :]  # [B, S, S]
-    suffix_mask = torch.cat([see_prefix, see_suffix], -1)  # [B, S, P + S]
+    # Keys are laid out as in the plain row, T wide (key t at index t: row_index), so each query
+    # reduces over the same keys at the same indices and the same length as in the plain forward:
+    # the same sums in the same order (sdpa's result depends on the key length, not on which
+    # queries run with it). A query at column t sees keys 0..t of its row (a padding slot, past its
+    # row's end, sees the whole row: never an empty softmax, whose NaN would poison the backward).
+    first_row = torch.tensor([int((groups == g).nonzero()[0, 0]) for g in order])  # [n_g]
+    prefix_mask = (cols[None, None] <= p_cols[None, :, None]) & (cols[None, None] < lengths_cpu[first_row][:, None, None])  # [n_g, P, T]
+    query_col = shared[:, None] + s_cols[None]  # [B, S]
+    suffix_mask = (cols[None, None] <= query_col[:, :, None]) & (cols[None, None] < lengths_cpu[:, None, None])  # [B, S, T]
 
     at_prefix, at_suffix = prefix_index[prefix_valid], suffix_index[suffix_valid]
     output_index = torch.empty(N, dtype=torch.long)
@@ -151,7 +157,6 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Op
     output_index[at_suffix] = len(order) * P + torch.arange(B * S).view(B, S)[suffix_valid]
 
     # which row and column each packed token is taken from
-    first_row = torch.tensor([int((groups == g).nonzero()[0, 0]) for g in order])  # [n_g]
     flat_rows = torch.empty(N, dtype=torch.long)
     flat_cols = torch.empty(N, dtype=torch.long)
     flat_rows[at_prefix] = first_row[:, None].expand(len(order), P)[prefix_valid]
@@ -164,9 +169,9 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Op
         position_ids=flat_cols[None].to(device),
         row_index=row_index.to(device),
         prefix_index=prefix_index.to(device),
+        prefix_keys=row_index[first_row].to(device),
         prefix_mask=prefix_mask[:, None].to(device),
         suffix_index=suffix_index.to(device),
-        suffix_group=slot.to(device),
         suffix_mask=suffix_mask[:, None].to(device),
         output_index=output_index.to(device),
         tokens_plain=B * T,
@@ -192,13 +197,13 @@ def split_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     def slots(x: Tensor, index: Tensor) -> Tensor:  # [h, N, d], [m, s] -> [m, h, s, d]
         return x[:, index].transpose(0, 1)
 
-    k_prefix, v_prefix = slots(k, layout.prefix_index), slots(v, layout.prefix_index)  # [n_g, h_kv, P, d]
-    out_prefix, _ = sdpa_attention_forward(module, slots(q, layout.prefix_index), k_prefix, v_prefix, layout.prefix_mask,
+    # each group's prefix queries over its first row's keys; each row's own queries over its keys:
+    # its group's prefix (indexed once per row: the backward sums the rows' gradients into the one
+    # prefix computation), then its own
+    out_prefix, _ = sdpa_attention_forward(module, slots(q, layout.prefix_index), slots(k, layout.prefix_keys),
+                                           slots(v, layout.prefix_keys), layout.prefix_mask,
                                            dropout=dropout, scaling=scaling, **kwargs)  # [n_g, P, h, d]
-    # each row's keys: its group's prefix (indexed per row: the backward sums the rows' gradients
-    # into the one prefix), then its own
-    k_rows = torch.cat([k_prefix[layout.suffix_group], slots(k, layout.suffix_index)], 2)  # [B, h_kv, P + S, d]
-    v_rows = torch.cat([v_prefix[layout.suffix_group], slots(v, layout.suffix_index)], 2)
+    k_rows, v_rows = slots(k, layout.row_index), slots(v, layout.row_index)  # [B, h_kv, T, d]
     out_suffix, _ = sdpa_attention_forward(module, slots(q, layout.suffix_index), k_rows, v_rows, layout.suffix_mask,
                                            dropout=dropout, scaling=scaling, **kwargs)  # [B, S, h, d]
     h, d = out_prefix.shape[-2:]

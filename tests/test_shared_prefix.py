@@ -258,3 +258,39 @@ def test_bf16_shared_prefix_is_close_to_the_plain_path():
     model = policy(lora=True, precision="bf16-mixed", dtype=None)
     ids, attn, mask, groups, _ = hand_built()
     assert_close(lldslight_path(model, ids, attn, mask, groups), lldslight_path(model, ids, attn, mask, None), "bf16", rel=5e-2)
+
+
+def test_every_no_grad_pass_of_the_module_shares_and_agrees():
+    """GRPOModule.batch_logprobs, what pi_old's and the reference's passes and LLDMonitor's
+    after-step forward call: micro-batches of 4 rows from a shuffled order, each group's rows kept
+    together; policy and reference (the adapter off) log-probs equal with shared_prefix on and off,
+    and the shared run's forwards see fewer tokens."""
+    from lldslight.module import GRPOModule
+    from lldslight.trajectory import Trajectory
+
+    ids, attn, mask, groups, _ = hand_built()
+    B = len(ids)
+    traj = Trajectory(
+        input_ids=ids, attention_mask=attn, prompt_len=torch.tensor([PROMPTS[g] for g in groups.tolist()]), loss_mask=mask,
+        action_id=torch.where(mask, 0, -1), answer_mask=torch.zeros_like(mask), group_id=groups, reward=torch.zeros(B),
+        num_searches=torch.zeros(B, dtype=torch.long), num_invalid=torch.zeros(B, dtype=torch.long),
+        num_actions=torch.ones(B, dtype=torch.long), finish_reason=["answer"] * B, data_source=["t"] * B, responses=[""] * B,
+    )
+    traj.check()
+    model = policy(lora=True)
+    rows = torch.tensor([5, 3, 0, 4, 1, 2])
+    out, seen = {}, {}
+    for on in (True, False):
+        module = GRPOModule(policy=tiny_policy_config(), micro_batch_size=4, shared_prefix=on)
+        module.policy = model
+        counts = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, args, o: counts.append(args[0].numel()))
+        try:
+            out[on] = [module.batch_logprobs(traj, reference=ref, rows=rows) for ref in (False, True)]
+        finally:
+            hook.remove()
+        seen[on] = sum(counts)
+    for got, want in zip(out[True], out[False]):
+        assert (got - want).abs().max() <= REL * want.abs().max()
+    assert not torch.equal(out[True][0], out[True][1])  # the adapter is not zero: the reference differs
+    assert seen[True] < seen[False]
