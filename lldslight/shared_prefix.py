@@ -39,8 +39,9 @@ The shared part is found from the token ids (the rows' longest common prefix wit
 cut so that each row keeps at least one token of its own), never assumed: it is the prompt, or
 more when rollouts begin alike, and less if a group's prompts differ. Rows whose real tokens are
 not a prefix of the row (left padding), models whose attention is not plain full-attention sdpa
-(eager, sliding windows, soft-capping), and micro-batches where no prefix repeats run the plain
-forward.
+(eager, sliding windows, soft-capping), and micro-batches with neither a repeated prefix nor
+padding run the plain forward (a micro-batch with padding but no repeated prefix runs packed:
+no padding, so a token budget holds).
 """
 from __future__ import annotations
 
@@ -98,8 +99,10 @@ def common_prefix_lengths(input_ids: Tensor, lengths: Tensor, groups: Tensor) ->
 
 def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Optional[PackedGroups]:
     """The packed layout of right-padded rows ``input_ids`` [B, T] whose rows of equal ``groups``
-    [B] share their common prefix; None when no prefix repeats (nothing to share) or a row is not
-    right-padded (the plain forward then runs)."""
+    [B] share their common prefix; None when it would save nothing (no prefix repeats and no row is
+    padded) or a row is not right-padded (the plain forward then runs). Without a repeated prefix
+    the layout still drops the padding, so that a micro-batch packed by tokens (micro_batches)
+    never runs more tokens than its budget."""
     B, T = input_ids.shape
     real = attention_mask.bool()
     lengths = real.sum(-1)  # [B]
@@ -108,7 +111,7 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Op
         return None
     groups = groups.to(torch.long).cpu()
     shared = common_prefix_lengths(input_ids, lengths, groups)  # [B]
-    if int(shared.sum()) == 0:
+    if int(shared.sum()) == 0 and int(lengths.sum()) == B * T:
         return None
     lengths_cpu = lengths.cpu()
     order = list(dict.fromkeys(groups.tolist()))  # groups in order of first appearance
@@ -200,13 +203,15 @@ def split_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     # each group's prefix queries over its first row's keys; each row's own queries over its keys:
     # its group's prefix (indexed once per row: the backward sums the rows' gradients into the one
     # prefix computation), then its own
-    out_prefix, _ = sdpa_attention_forward(module, slots(q, layout.prefix_index), slots(k, layout.prefix_keys),
-                                           slots(v, layout.prefix_keys), layout.prefix_mask,
-                                           dropout=dropout, scaling=scaling, **kwargs)  # [n_g, P, h, d]
+    h, d = q.shape[0], v.shape[-1]
+    out_prefix = q.new_empty(0, h, d)  # no group shares a prefix: the layout only drops the padding
+    if layout.prefix_index.shape[1]:
+        out_prefix, _ = sdpa_attention_forward(module, slots(q, layout.prefix_index), slots(k, layout.prefix_keys),
+                                               slots(v, layout.prefix_keys), layout.prefix_mask,
+                                               dropout=dropout, scaling=scaling, **kwargs)  # [n_g, P, h, d]
     k_rows, v_rows = slots(k, layout.row_index), slots(v, layout.row_index)  # [B, h_kv, T, d]
     out_suffix, _ = sdpa_attention_forward(module, slots(q, layout.suffix_index), k_rows, v_rows, layout.suffix_mask,
                                            dropout=dropout, scaling=scaling, **kwargs)  # [B, S, h, d]
-    h, d = out_prefix.shape[-2:]
     out = torch.cat([out_prefix.reshape(-1, h, d), out_suffix.reshape(-1, h, d)])[layout.output_index]  # [N, h, d]
     layout.calls += 1
     return out[None], None

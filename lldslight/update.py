@@ -366,7 +366,7 @@ def micro_batches(module: Learner, traj: Trajectory, rows: Tensor) -> list[Tenso
     a group's rows are kept together (shared_prefix.micro_batches)."""
     cfg = module.update_config
     budget = cfg.micro_batch_tokens
-    if cfg.shared_prefix:
+    if cfg.shared_prefix and shared_prefix.supported(getattr(module, "policy", None)):
         return shared_prefix.micro_batches(traj.input_ids, traj.attention_mask, traj.group_id, rows, cfg.micro_batch_size, budget)
     if not budget:
         return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]

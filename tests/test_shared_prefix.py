@@ -194,10 +194,26 @@ def test_common_prefix_is_found_from_the_ids_and_capped():
     assert shared_prefix.common_prefix_lengths(ids, lengths, groups).tolist() == [2, 2, 2, 0, 0, 0]
 
 
+def test_rows_that_share_nothing_run_packed_without_padding():
+    """Every row its own group: no prefix is shared, but the padding is dropped (a token budget
+    counts these tokens); the same log-probs and gradients."""
+    model = policy(lora=False)
+    ids, attn, mask, _, _ = hand_built()
+    alone = torch.arange(len(ids))
+    layout = shared_prefix.pack_groups(ids, attn, alone)
+    assert layout is not None and layout.tokens == int(attn.sum()) < ids.numel() and layout.prefix_index.shape[1] == 0
+    assert_close(lldslight_path(model, ids, attn, mask, alone), lldslight_path(model, ids, attn, mask, None), "no sharing")
+    full = attn[:, :1].expand(-1, 5)  # no padding, nothing shared: nothing to save
+    assert shared_prefix.pack_groups(ids[:, :5], full, alone) is None
+
+
 def test_plain_forward_where_sharing_cannot_apply():
-    """Eager attention, left-padded rows, rows that share nothing: the plain forward (B x T tokens)."""
+    """Eager attention, left-padded rows: the plain forward (B x T tokens); an eager policy's
+    micro-batches are cut as without sharing."""
+    from lldslight.module import GRPOModule
+    from lldslight.update import micro_batches
+
     ids, attn, mask, groups, _ = hand_built()
-    assert shared_prefix.pack_groups(ids, attn, torch.arange(len(ids))) is None  # every row its own group
     assert shared_prefix.pack_groups(ids, attn.flip(-1), groups) is None  # not right-padded
     eager = policy(lora=True, attn_implementation="eager")
     assert not shared_prefix.supported(eager) and shared_prefix.supported(policy(lora=True))
@@ -207,6 +223,11 @@ def test_plain_forward_where_sharing_cannot_apply():
         token_logprobs(eager, ids, attn, mask, groups=groups)
     hook.remove()
     assert seen == [ids.numel()]
+    module = GRPOModule(policy=tiny_policy_config(), micro_batch_size=2, micro_batch_tokens=40)
+    traj = type("Rows", (), {"input_ids": ids, "attention_mask": attn, "group_id": groups})()
+    module.policy = eager  # the plain packer: sorted by length, rows x longest <= 40
+    for b in micro_batches(module, traj, torch.arange(len(ids))):
+        assert len(b) == 1 or len(b) * int(attn[b].sum(-1).max()) <= 40
 
 
 def test_a_call_without_the_layout_is_transformers_sdpa():
