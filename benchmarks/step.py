@@ -4,6 +4,7 @@ in fp32 and in bf16.
     python benchmarks/step.py --json step.json      # THE command: fp32 and bf16, 1 and 2 threads, 3 rounds each
     python benchmarks/step.py --precision bf16 --threads 2 --rounds 5
     python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
+    python benchmarks/step.py --shared-prefix on    # lldslight with a group's prompt encoded once only (no unshared run)
 
 Both sides run at the same precision, each at its best setting for it (``--precision``, default
 both in turn): fp32 = every weight and all compute in fp32 (lldslight ``policy.precision: fp32``,
@@ -31,7 +32,12 @@ lldslight runs twice per round: "lldslight" checkpoints every decoder layer, as 
 for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient_checkpointing:
 auto`` (layers keep their activations while they fit in ``--activation-budget-mb``;
 lldslight/activation_checkpointing.py), which trades that much memory for less recompute
-(``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. lldslight's workers run with the malloc
+(``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. Both encode a
+group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/shared_prefix.py);
+with ``--shared-prefix both`` (the default) a third run, "lldslight-unshared", checkpoints every layer
+and encodes every row in full (``shared_prefix: false``): ``step_time_ratio_unshared`` against TRL,
+and ``shared_prefix_ratio`` (lldslight / lldslight-unshared, step and phases) says what the sharing
+saves. ``--shared-prefix off`` runs the first two with it off. lldslight's workers run with the malloc
 tunables the ``lldslight`` command sets for itself (lldslight/hostmem.py); TRL's with glibc's
 defaults, or with the same tunables under ``--malloc same`` (a like-for-like allocator check).
 
@@ -70,8 +76,12 @@ else:  # python benchmarks/step.py: the script's own folder is on sys.path
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
-SIDES = ("lldslight", "lldslight-auto", "trl")
-LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto")
+SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "trl")
+LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared")
+# each lldslight run's suffix on its ratio keys (step_time_ratio<suffix>) and its label
+RATIO_SUFFIX = {"lldslight": "", "lldslight-auto": "_auto", "lldslight-unshared": "_unshared"}
+RATIO_LABEL = {"lldslight": "ratio", "lldslight-auto": "ratio (auto)", "lldslight-unshared": "ratio (unshared)"}
+SHARED_PREFIX_KEYS = ("step_s", "logprob_s", "update_s", "update_peak_above_idle_mb")  # what sharing changes
 PRECISIONS = ("fp32", "bf16")
 LLDSLIGHT_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed"}  # policy.precision per benchmark precision
 TARGET_RATIO = 0.5  # the speed target: step <= 0.5x TRL's
@@ -296,6 +306,7 @@ def worker_lldslight(spec: dict) -> dict:
         kl_coef=spec["beta"],
         aggregation="seq-mean-token-mean",
         grad_clip=1.0,
+        shared_prefix=spec.get("shared_prefix", True),
     )
     rollout = RolloutConfig(
         group_size=spec["group_size"],
@@ -494,7 +505,8 @@ def ensure_trl_venv(python: str | None) -> str:
 def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
     from lldslight import hostmem
 
-    spec = dict(spec, checkpointing="auto" if side == "lldslight-auto" else True)
+    spec = dict(spec, checkpointing="auto" if side == "lldslight-auto" else True,
+                shared_prefix=spec.get("shared_prefix", True) and side != "lldslight-unshared")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
         spec_path = f.name
@@ -549,7 +561,7 @@ def table(summary: dict, ratios: dict, sides: list[str]) -> str:
     head = f"| {'median [min-max] over rounds':32} |" + "".join(f" {s:>20} |" for s in sides)
     lines = [head, "|" + "-" * 34 + "|" + "".join("-" * 22 + "|" for _ in sides)]
     for side in ratios:  # one ratio column per lldslight setting, against TRL
-        lines[0] += f" {'ratio' if side == 'lldslight' else 'ratio (auto)':>20} |"
+        lines[0] += f" {RATIO_LABEL[side]:>20} |"
         lines[1] += "-" * 22 + "|"
     for label, key, fmt in rows:
         line = f"| {label:32} |" + "".join(f" {harness.fmt_spread(summary[s][key], fmt):>20} |" for s in sides)
@@ -595,10 +607,14 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
     out["sides"] = {s: harness.side_summary(attempts, s, list(KEYS)) for s in sides}
     out["attempts"] = [a.to_dict() for a in attempts]
     if "trl" in sides:
-        for side, suffix in (("lldslight", ""), ("lldslight-auto", "_auto")):
+        for side, suffix in RATIO_SUFFIX.items():
             if side in sides:
                 out["ratios" + suffix] = {k: harness.ratio_summary(attempts, side, "trl", k) for k in KEYS}
                 out["step_time_ratio" + suffix] = out["ratios" + suffix]["step_s"]["ratio_of_medians"]
+    if "lldslight" in sides and "lldslight-unshared" in sides:
+        # the shared prefix's effect: the same settings with it on / off
+        out["shared_prefix_ratios"] = {k: harness.ratio_summary(attempts, "lldslight", "lldslight-unshared", k) for k in SHARED_PREFIX_KEYS}
+        out["shared_prefix_ratio"] = out["shared_prefix_ratios"]["step_s"]["ratio_of_medians"]
     if "bounds" in out:
         out["fractions"] = {}
         for s in sides:
@@ -621,7 +637,7 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
         f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
         f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)"
     )
-    ratios = {side: res["ratios" + suffix] for side, suffix in (("lldslight", ""), ("lldslight-auto", "_auto")) if "ratios" + suffix in res}
+    ratios = {side: res["ratios" + suffix] for side, suffix in RATIO_SUFFIX.items() if "ratios" + suffix in res}
     print(table(res["sides"], ratios, sides))
     if "fractions" in res:
         b = res["bounds"]
@@ -633,11 +649,18 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
                   ", ".join(f"{k} {v:.0f}" for k, v in b["bf16_gemm_gflops"].items() if k != "square_2048"))
         print(bounds_table(res["fractions"], sides))
         print("  update GFLOP for this work: " + ", ".join(f"{k} {v:.1f}" for k, v in res["update_variants_gflop"].items()))
-    for suffix, what in (("", "every layer checkpointed, as TRL"), ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB")):
+    shared = "shared prefix off" if args.shared_prefix == "off" else "shared prefix on"
+    for suffix, what in (("", f"every layer checkpointed, as TRL, {shared}"),
+                         ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB, {shared}"),
+                         ("_unshared", "every layer checkpointed, shared prefix off")):
         if "step_time_ratio" + suffix in res:
             r = res["ratios" + suffix]["step_s"]
             print(f"step_time_ratio{suffix} (lldslight, {what} / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
                   f"(per round {', '.join(f'{x:.2f}' for x in r['per_round'])})")
+    if "shared_prefix_ratios" in res:
+        print("shared prefix on / off (lldslight / lldslight-unshared): " + ", ".join(
+            f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
+            for k, r in res["shared_prefix_ratios"].items()))
     print(harness.quiet_line(res["quiet"]))
 
 
@@ -673,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lldslight-checkpointing", choices=["on", "on,auto"], default="on,auto",
                    help="lldslight's settings to run: every layer checkpointed (as TRL), and gradient_checkpointing: auto")
     p.add_argument("--activation-budget-mb", type=float, default=256.0, help="lldslight-auto: policy.activation_budget_mb")
+    p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
+                   help="lldslight's model.shared_prefix: on, off, or on plus a run with it off (lldslight-unshared)")
     p.add_argument("--malloc", choices=["lldslight", "default", "same"], default="lldslight",
                    help="glibc malloc tunables (lldslight/hostmem.py): lldslight's workers only (as its command runs), nobody, "
                         "or both sides")
@@ -722,12 +747,15 @@ def main(argv: list[str] | None = None) -> None:
         "lora_r": args.lora_r,
         "activation_budget_mb": args.activation_budget_mb,
         "malloc": args.malloc,
+        "shared_prefix": args.shared_prefix != "off",
         "beta": args.beta,
         "steps": args.steps,
         "warmup": 1,
         "seed": args.seed,
     }
     runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
+    if args.shared_prefix == "both":
+        runs.append("lldslight-unshared")
     sides = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
     pythons = dict.fromkeys(LLDSLIGHT_SIDES, sys.executable)
     if "trl" in sides:
@@ -748,7 +776,7 @@ def main(argv: list[str] | None = None) -> None:
             print_threads(res, args, sides)
             if args.json:  # after each run: a long run that stops later keeps what it measured
                 Path(args.json).write_text(json.dumps(report, indent=1))
-        for key in ("step_time_ratio", "step_time_ratio_auto"):
+        for key in ("step_time_ratio", "step_time_ratio_auto", "step_time_ratio_unshared", "shared_prefix_ratio"):
             if runs_p["threads"] and all(key in r for r in runs_p["threads"].values()):
                 runs_p[key] = {t: r[key] for t, r in runs_p["threads"].items()}
                 report.setdefault(key, {})[precision] = runs_p[key]
@@ -766,11 +794,14 @@ def closing_note(report: dict) -> list[str]:
     for precision, runs in report["precisions"].items():
         for t, res in runs["threads"].items():
             parts = [f"{precision}, {t} thread(s):"]
-            for key, name in (("step_time_ratio", "step ratio"), ("step_time_ratio_auto", "step ratio (auto)")):
+            for key, name in (("step_time_ratio", "step ratio"), ("step_time_ratio_auto", "step ratio (auto)"),
+                              ("step_time_ratio_unshared", "step ratio (shared prefix off)")):
                 if key in res:
                     r = res[key]
                     parts.append(f"{name} {r:.3f} = {r / TARGET_RATIO:.2f}x the {TARGET_RATIO}x target"
                                  f" ({'met' if r <= TARGET_RATIO else 'missed'});")
+            if "shared_prefix_ratio" in res:
+                parts.append(f"shared prefix on / off: step {res['shared_prefix_ratio']:.3f};")
             f = res.get("fractions", {}).get("lldslight")
             if f is not None:
                 target = f" (target {TARGET_DECODE_FRACTION:.0%}: {'met' if f['generation_fraction_of_bound'] >= TARGET_DECODE_FRACTION else 'missed'})" \

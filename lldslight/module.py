@@ -115,6 +115,14 @@ class GRPOModule(pl.LightningModule):
             batch's remaining ones are skipped (Stable-Baselines3's ``target_kl``; docs/stability.md).
             None = off.
         target_kl_factor: the multiple of ``target_kl`` that stops the updates (1.5, as SB3).
+        shared_prefix: encode the prompt a group's rows share once per micro-batch, in every update
+            forward (pi_old's and the reference's log-probs, the training forward and backward,
+            LLDMonitor's): the rows run as one packed sequence, the prefix's self-attention and each
+            row's attention over prefix + own tokens computed apart (Prefix Grouper, arXiv
+            2506.05433; lldslight/shared_prefix.py). The same log-probs and gradients (tested to
+            fp32 rounding); micro-batches keep a group's rows together, a token budget counts a
+            shared prefix once. Runs the plain forward where it cannot apply (attention other than
+            sdpa, sliding windows, no repeated prefix). False: every row in full.
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
     """
@@ -149,6 +157,7 @@ class GRPOModule(pl.LightningModule):
         negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
         target_kl: Optional[float] = _U.target_kl,
         target_kl_factor: float = _U.target_kl_factor,
+        shared_prefix: bool = _U.shared_prefix,
         fsdp: FSDPConfig = FSDPConfig(),
     ) -> None:
         super().__init__()
@@ -313,6 +322,7 @@ class GRPOModule(pl.LightningModule):
                 temperature=self.logprob_temperature,
                 with_entropy=with_entropy,
                 entropy_grad=bool(self.update_config.entropy_coef),  # else the entropy is a logged diagnostic only
+                groups=traj.group_id if self.update_config.shared_prefix else None,
             ))
 
     def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:

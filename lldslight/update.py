@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import hostmem
+from lldslight import hostmem, shared_prefix
 from lldslight import objectives as obj
 from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
@@ -109,6 +109,9 @@ class UpdateConfig:
     target_kl``; that mini-batch's update is not applied (Stable-Baselines3's ``target_kl``). None = off."""
     target_kl_factor: float = 1.5
     """The early stop fires above this multiple of ``target_kl`` (1.5, as Stable-Baselines3 and Spinning Up)."""
+    shared_prefix: bool = True
+    """Encode a group's shared prompt once per micro-batch in every update forward (shared_prefix.py;
+    the same log-probs and gradients); micro-batches keep a group's rows together."""
 
     def __post_init__(self) -> None:
         require(self.grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
@@ -388,9 +391,12 @@ class _Update:
 def micro_batches(module: Learner, traj: Trajectory, rows: Tensor) -> list[Tensor]:
     """Split ``rows`` into micro-batches: ``micro_batch_size`` rows each, or packed by
     ``micro_batch_tokens`` (sorted by length, so rows of similar length share a batch; as many per
-    micro-batch as fit in rows x longest row <= budget, a longer row alone)."""
+    micro-batch as fit in rows x longest row <= budget, a longer row alone). With ``shared_prefix``
+    a group's rows are kept together (shared_prefix.micro_batches)."""
     cfg = module.update_config
     budget = cfg.micro_batch_tokens
+    if cfg.shared_prefix and shared_prefix.supported(getattr(module, "policy", None)):
+        return shared_prefix.micro_batches(traj.input_ids, traj.attention_mask, traj.group_id, rows, cfg.micro_batch_size, budget)
     if not budget:
         return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
     lengths = traj.attention_mask[rows.to(traj.attention_mask.device)].sum(-1).cpu()

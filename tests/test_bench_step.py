@@ -125,6 +125,41 @@ def test_closing_note_against_the_targets(step):
     assert last == "quiet machine: every run"
 
 
+def test_closing_note_reports_the_shared_prefix_on_and_off(step):
+    """With --shared-prefix both: the unshared run's ratio to TRL and the on / off step ratio."""
+    res = {"step_time_ratio": 0.6, "step_time_ratio_unshared": 0.8, "shared_prefix_ratio": 0.75, "quiet": {"quiet": True}}
+    note = step.closing_note({"precisions": {"fp32": {"threads": {"2": res}}}})[0]
+    assert "step ratio 0.600 = 1.20x the 0.5x target (missed); step ratio (shared prefix off) 0.800 = 1.60x" in note
+    assert note.endswith("shared prefix on / off: step 0.750;")
+    assert step.RATIO_SUFFIX.keys() == set(step.LLDSLIGHT_SIDES) and "lldslight-unshared" in step.SIDES
+
+
+def test_shared_prefix_both_runs_the_unshared_side_and_reports_on_off(step, tmp_path, monkeypatch):
+    """main() with --shared-prefix both (the default), workers faked: each lldslight run gets its
+    shared_prefix setting, and the report holds the unshared run's ratio to TRL and the on / off
+    ratios (here 3 s / 4 s per step, by construction)."""
+    step_s = {"lldslight": 3.0, "lldslight-unshared": 4.0, "trl": 5.0}
+    seen = {}
+
+    def fake_worker(side, python, spec, timeout):
+        seen[side] = spec.get("shared_prefix", True) and side != "lldslight-unshared"
+        load = {"wall_s": 1.0, "other_cpu_s": 0.0, "own_cpu_s": 1.0, "steal_s": 0.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}
+        figures = {k: 1.0 for k in step.PER_STEP + step.PEAKS}
+        figures.update(step_s=step_s[side], rows=2, load=load, lengths=[10, 10], loss_tokens=8)
+        return {"steps": [figures], "peak_rss_mb": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(step, "run_worker", fake_worker)
+    monkeypatch.setattr(step, "ensure_trl_venv", lambda python: "python")
+    out = tmp_path / "step.json"
+    step.main(["--rounds", "1", "--threads", "1", "--precision", "fp32", "--no-bounds", "--lldslight-checkpointing", "on",
+               "--json", str(out)])
+    assert seen == {"lldslight": True, "lldslight-unshared": False, "trl": True}
+    res = json.loads(out.read_text())["precisions"]["fp32"]["threads"]["1"]
+    assert res["step_time_ratio"] == pytest.approx(0.6) and res["step_time_ratio_unshared"] == pytest.approx(0.8)
+    assert res["shared_prefix_ratio"] == pytest.approx(0.75)
+    assert set(res["shared_prefix_ratios"]) == set(step.SHARED_PREFIX_KEYS)
+
+
 def test_precisions_map_to_each_sides_setting(step):
     assert step.LLDSLIGHT_PRECISION == {"fp32": "fp32", "bf16": "bf16-mixed"}
     with pytest.raises(SystemExit, match="--precision must be"):

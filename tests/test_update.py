@@ -4,7 +4,8 @@ Everything runs in float64, so that the tolerance measures the batching, not fp3
 
 An independent implementation (full logits, per-row Python loops for the LLDS gate, hand-written
 advantages) computes the loss and gradient of the whole mini-batch; the real module must give the
-same (relative 1e-6) with micro-batches of 1, 2 or all rows, packed by tokens, and on 2 processes
+same (relative 1e-6) with micro-batches of 1, 2 or all rows, packed by tokens, with a group's shared
+prompt encoded once (the default) or in every row, and on 2 processes
 (DDP with token packing, so the ranks run different numbers of micro-batches; FSDP2), with KL,
 an entropy bonus and LLDS (answer masking whose V spans both ranks) on. The 2-process runs also
 count the gradient collectives: one reduction per mini-batch, in its last micro-batch's backward.
@@ -122,6 +123,8 @@ def test_loss_and_gradient_do_not_depend_on_micro_batching(setup, aggregation, n
         # (the first micro-batch keeps its layer's activations to measure it, the others recompute)
         "checkpointed": dict(micro_batch_size=2, policy=dict(gradient_checkpointing=True)),
         "auto, no room": dict(micro_batch_size=2, policy=dict(gradient_checkpointing="auto", activation_budget_mb=0)),
+        # a group's rows share their prompt: encoded once (the default, every variant above), or in full
+        "no shared prefix": dict(micro_batch_size=2, shared_prefix=False),
     }
     for name, kw in variants.items():
         probe = run(setup, list(range(len(LENGTHS))), aggregation=aggregation, llds_normaliser=normaliser, **kw)
@@ -140,7 +143,7 @@ def run_two_ranks(setup_file: Path, strategy: str, *args: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, args", [("ddp", ("--micro-batch-tokens", "54")), ("fsdp2", ("--micro-batch-size", "1"))])
+@pytest.mark.parametrize("strategy, args", [("ddp", ("--micro-batch-tokens", "40")), ("fsdp2", ("--micro-batch-size", "2"))])
 def test_two_ranks_give_the_one_rank_gradient_with_one_reduction(setup_file, setup, strategy, args):
     ranks = run_two_ranks(setup_file, strategy, *args)
     want_loss, want = reference(setup, "seq-mean-token-mean", "preserving")
@@ -149,10 +152,11 @@ def test_two_ranks_give_the_one_rank_gradient_with_one_reduction(setup_file, set
     assert_same(sum(r["loss"] for r in ranks), ranks[1]["grads"], want_loss, want, f"{strategy} rank 1")
     counts = [r["micro_batches"] for r in ranks]
     if strategy == "ddp":
-        # Packed by tokens, the ranks' rows make 2 and 3 micro-batches: only the last one reduces.
+        # Packed by tokens (a group's shared prompt counted once), the ranks' rows make 3 and 2
+        # micro-batches: only the last one reduces.
         assert sorted(counts) == [2, 3], counts
     else:
-        assert counts == [4, 4]
+        assert counts == [2, 2]  # one group per micro-batch: its prompt encoded once
     for r in ranks:
         assert r["events"], "no gradient collective was seen: the count would be vacuous"
         assert set(r["events"]) == {r["micro_batches"]}, (strategy, r["events"], r["micro_batches"])

@@ -50,6 +50,7 @@ def make_setup(path: Path) -> dict:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     B, T = len(LENGTHS), max(LENGTHS)
     ids = torch.randint(10, 1000, (B, T), generator=g)
+    ids[1::2, :6] = ids[0::2, :6]  # a group's rows share their 6-token prompt (the shared-prefix forward runs)
     attn = torch.zeros(B, T, dtype=torch.long)
     action = torch.full((B, T), -1)
     answer = torch.zeros(B, T, dtype=torch.bool)
