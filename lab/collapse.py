@@ -163,7 +163,8 @@ def run_all(commands: dict[tuple[str, int], list[str]], out: Path, archive: Path
     def one(key: tuple[str, int]) -> None:
         arm, seed = key
         name = f"{arm}/seed{seed}"
-        entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:])}
+        # Recorded relative to the repository: an archive names no machine's paths.
+        entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:]).replace(f"{ROOT}/", "")}
         try:
             entry["wall_s"], entry["cpu_s"] = run_child(name, commands[key], out / "logs" / f"{arm}_seed{seed}.log", threads)
             archive_run(run_dir(out, arm, seed), archive / arm / f"seed{seed}")
