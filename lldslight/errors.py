@@ -59,3 +59,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+# Exit statuses of a run stopped by a signal, after Lightning's graceful shutdown: the shell's own
+# convention, 128 + the signal's number (SIGINT 2, SIGTERM 15), so scripts and schedulers read them
+# as "interrupted", not as a failure (1) or bad input (2).
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class Stopped(Exception):
+    """A run stopped on request (Ctrl-C, SIGTERM): the CLI prints the message and exits with ``code``."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -131,8 +132,13 @@ class PolicyConfig:
                 self.lora, "quantized base weights cannot be trained, QLoRA trains a LoRA adapter on top of them")
 
 
+CACHE_ENV = "LLDSLIGHT_CACHE"
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("LLDSLIGHT_CACHE", Path.home() / ".cache" / "lldslight"))
+    """Where lldslight caches what it derives once (a demo model de-quantised from its GGUF):
+    ``$LLDSLIGHT_CACHE``, else ``~/.cache/lldslight``."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "lldslight"))
 
 
 def resolve_dtype(dtype: Optional[DType]) -> torch.dtype:
@@ -322,15 +328,22 @@ def materialise_gguf(gguf: Path) -> Path:
         return out
     log.info("De-quantising %s into %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already de-quantised; drop the GGUF loader's marker so they save as plain fp32.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "lldslight-done").write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)  # before the minute of conversion: a read-only cache fails now
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already de-quantised; drop the GGUF loader's marker so they save as plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lldslight-done").write_text(json.dumps({"source": str(gguf)}))
+    except OSError as err:  # a read-only or full disk: say which directory, and how to choose another
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PolicyLoadError(f"cannot write the model cache {out.parent}: {err.strerror or err} (the demo model is "
+                              f"de-quantised there once; set {CACHE_ENV} to a writable directory, default "
+                              "~/.cache/lldslight)") from None
     # A rename is atomic: a concurrent or interrupted conversion never leaves a half-written cache.
     try:
         tmp.rename(out)
@@ -535,7 +548,12 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
                 if isinstance(layer, BaseTunerLayer):
                     layer.cast_input_dtype_enabled = False
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed gradient_checkpointing_enable (deprecated, removed in v6); older ones have only that.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._lldslight_arithmetic = arith  # read by precision_autocast (trainer and sampler)
     return model, tokenizer
 

@@ -116,10 +116,10 @@ def silent_server():
         yield f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
 
 
-def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "lldslight.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- item 6: knobs

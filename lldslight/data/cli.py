@@ -33,14 +33,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _synth_args_from_config(path: str) -> dict:
-    import yaml
+    from lldslight.config_files import load_file
 
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"malformed YAML in {path}: {e}") from None
+    config = load_file(path)
     synth = ((config or {}).get("data") or {}).get("synthesize") if isinstance(config, dict) else None
     require(isinstance(synth, dict) and "out_dir" in synth, f"{path}: data.synthesize", "a mapping with an out_dir", synth)
     return dict(synth)
