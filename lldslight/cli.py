@@ -168,9 +168,14 @@ def _instantiation_error(err: Exception) -> Exception:
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     for e in chain:
         if isinstance(e, UserError):
             return e
+    for e in chain:
+        if isinstance(e, MisconfigurationException):  # Lightning's word for a bad Trainer argument
+            return ConfigError(re.sub(r"^`(\w+)`", r"trainer.\1", str(e).strip().splitlines()[0]))
     innermost = chain[-1]
     if isinstance(innermost, ValueError):
         return ConfigError(str(innermost))
@@ -289,8 +294,8 @@ def resume_settings(config: Any, sub: str, yours: Any) -> Optional[ResumeSetting
     for key in differ:
         pair = (_lookup(theirs, key), _lookup(mine, key))
         if wanted is None or any(key == w or key.startswith(w + ".") for w in wanted):
-            value = yours[key]
-            config[f"{sub}.model.{key}"] = value.clone() if hasattr(value, "clone") else copy.deepcopy(value)
+            leaf, value = _setting(yours, key)
+            config[f"{sub}.model.{leaf}"] = value.clone() if hasattr(value, "clone") else copy.deepcopy(value)
             overridden[key] = pair
         else:
             taken[key] = pair
@@ -299,6 +304,22 @@ def resume_settings(config: Any, sub: str, yours: Any) -> Optional[ResumeSetting
     if line:
         rank_zero_only(lambda: print(line, file=sys.stderr, flush=True))()
     return settings
+
+
+def _setting(namespace: Any, key: str) -> tuple[str, Any]:
+    """The setting of ``namespace`` that holds ``key`` and its value: ``key`` itself, or the
+    mapping-valued setting above it (``policy.random_init`` for ``policy.random_init.hidden_size``:
+    a plain dict, replaced whole, as a config file replaces it), None where yours has none."""
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        try:
+            value = namespace[name]
+        except KeyError:
+            return name, None
+        if not hasattr(value, "as_dict"):  # not a nested Namespace: this setting holds the key
+            return name, value
+    return key, namespace[key]
 
 
 def _lookup(tree: dict, key: str) -> Any:
@@ -515,10 +536,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from jsonargparse import ArgumentError
 
-    from lldslight.errors import Stopped, UserError
+    from lldslight.errors import EXIT_BROKEN_PIPE, Stopped, UserError
 
     try:
-        return _run(argv, from_command_line)
+        code = _run(argv, from_command_line)
+        sys.stdout.flush()  # here, so that a reader that left is seen below, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader of the output left (`lldslight data synth | head`): nothing more to say to it,
+        # and nothing to report (a pipe's reader may stop early). Later writes go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Stopped as stop:
         print(f"lldslight{' ' + command if command else ''}: {stop}", file=sys.stderr)
         return stop.code

@@ -61,11 +61,12 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-# Exit statuses of a run stopped by a signal, after Lightning's graceful shutdown: the shell's own
+# Exit statuses of a command stopped by a signal, after Lightning's graceful shutdown: the shell's own
 # convention, 128 + the signal's number (SIGINT 2, SIGTERM 15), so scripts and schedulers read them
 # as "interrupted", not as a failure (1) or bad input (2).
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_BROKEN_PIPE = 141  # the reader of stdout left (`lldslight data synth | head`), as SIGPIPE would end a C tool
 
 
 class Stopped(Exception):

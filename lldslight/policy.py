@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lldslight.errors import ConfigError, UserError, choices, require
+from lldslight.writes import directory_written_whole
 
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
@@ -353,8 +354,22 @@ def materialise_gguf(gguf: Path) -> Path:
     return out
 
 
-def resolve_model_dir(cfg: PolicyConfig) -> str:
-    """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument."""
+def model_config(cfg: PolicyConfig, model_dir: Optional[str] = None):
+    """The transformers config of the policy ``cfg`` builds (``random_init``'s changes applied),
+    read without loading any weight."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir or resolve_model_dir(cfg, weights=False))
+    for key, value in (cfg.random_init or {}).items():
+        if not hasattr(config, key):
+            raise PolicyLoadError(f"random_init: {type(config).__name__} has no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def resolve_model_dir(cfg: PolicyConfig, weights: bool = True) -> str:
+    """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument (a
+    local directory's weight files checked unless ``weights`` is False)."""
     if cfg.model in DEMO_MODELS:
         return str(materialise_gguf(demo_gguf_path(cfg.model)))
     path = Path(cfg.model).expanduser()
@@ -370,7 +385,7 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
     if path.exists() and not (path / "config.json").exists():
         raise PolicyLoadError(f"{path} exists but holds no config.json: not a Hugging Face model directory")
     if path.is_dir():
-        _check_model_files(path, weights=cfg.random_init is None)
+        _check_model_files(path, weights=weights and cfg.random_init is None)
     if not path.exists() and ("/" not in cfg.model or cfg.model.startswith((".", "/", "~"))):
         raise PolicyLoadError(
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
@@ -475,7 +490,7 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
     ``dequantize``: quantize the base as configured, then turn it back into float layers before the
     adapter goes on (export: the adapter merges into the very weights it was trained against).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(cfg, model_dir)
@@ -487,11 +502,7 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.random_init is not None:
-        config = AutoConfig.from_pretrained(model_dir)
-        for key, value in cfg.random_init.items():
-            if not hasattr(config, key):
-                raise PolicyLoadError(f"random_init: {type(config).__name__} has no field {key!r}")
-            setattr(config, key, value)
+        config = model_config(cfg, model_dir)
         if cfg.attn_implementation:
             config._attn_implementation = cfg.attn_implementation
         with _seeded(cfg.init_seed):
@@ -697,8 +708,9 @@ def save_merged(model: nn.Module, tokenizer, out: Path, dtype: torch.dtype, meta
         model = model.merge_and_unload()
     model = model.to(dtype)
     model.config.use_cache = True
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
+    # All files or none: a full disk must not leave a config.json without its weights.
+    with directory_written_whole(out, "saving the model") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
     return out

@@ -6,8 +6,9 @@ never another run's, never two processes at once.
   the CSV logger would replace its ``metrics.csv`` and Lightning its ``config.yaml`` while the old
   checkpoints stayed, a directory that no longer describes either run. A fixed
   ``trainer.logger.init_args.version`` is how that happens; a numbered one is always new.
-- While a process writes it, the directory is locked (``flock`` on ``.lldslight.lock``, which the
-  kernel releases when the process ends, however it ends): a second process given the same
+- While a process writes it, the directory is locked (``flock`` on ``.version_N.lock`` beside it,
+  which the kernel releases when the process ends, however it ends; beside, not inside, because
+  Lightning warns about a run directory that is not empty): a second process given the same
   directory (the same fixed version, or two fits numbering their version at the same moment) is
   refused by name instead of mixing its files into the first one's.
 """
@@ -19,14 +20,17 @@ from typing import Any, Optional
 
 from lldslight.errors import UserError
 
-LOCK_NAME = ".lldslight.lock"
 # What a run leaves when it failed at start (Lightning writes the config first): not a run yet.
-START_FILES = ("config.yaml", "hparams.yaml", LOCK_NAME)
+START_FILES = ("config.yaml", "hparams.yaml")
 
 try:
     import fcntl
 except ImportError:  # not POSIX: no advisory locks; the overwrite check still runs
     fcntl = None  # type: ignore[assignment]
+
+
+def lock_path(run: Path) -> Path:
+    return run.with_name(f".{run.name}.lock")
 
 
 def is_rank_zero() -> bool:
@@ -63,7 +67,7 @@ class RunLock:
         if self._handle is None:
             return
         try:
-            (self.path / LOCK_NAME).unlink(missing_ok=True)
+            lock_path(self.path).unlink(missing_ok=True)
         finally:
             self._handle.close()  # closing releases the flock
             self._handle = None
@@ -79,8 +83,8 @@ def claim(path: Path, force: bool, version_key: str) -> RunLock:
                         f"and config.yaml: choose another {version_key} (or leave it unset for a new version_N), or "
                         "pass --force to write over it")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        handle = open(path / LOCK_NAME, "a+")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path(path), "a+")
     except OSError as err:
         raise UserError(f"cannot write the run directory {path}: {err.strerror or err} (choose a writable "
                         "trainer.logger.init_args.save_dir)") from None
@@ -91,8 +95,8 @@ def claim(path: Path, force: bool, version_key: str) -> RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
             handle.close()
-            raise UserError(f"run directory {path} is being written by another process (pid {holder}, per its "
-                            f"{LOCK_NAME}); wait for it to end, or give this run another {version_key}") from None
+            raise UserError(f"run directory {path} is being written by another process (pid {holder}, per "
+                            f"{lock_path(path)}); wait for it to end, or give this run another {version_key}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))

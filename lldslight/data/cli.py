@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--entities", type=int, default=None, help="default 200")
     s.add_argument("--dev", type=int, default=None, help="dev questions (default 64)")
     s.add_argument("--test", type=int, default=None, help="test questions (default 64)")
+    s.add_argument("--force", action="store_true",
+                   help="replace files of the same names (train.jsonl, corpus.jsonl, ...) that an earlier synthesis did not write")
     i = sub.add_parser("inspect", help="counts per data_source and 3 examples of a question or corpus file")
     i.add_argument("file", help=".parquet, .jsonl, .json, or a saved HF dataset directory")
     i.add_argument("--split", default=None, help="split of a saved HF DatasetDict")
@@ -73,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "synth":
             kwargs = _synth_args_from_config(args.config) if args.config else {"out_dir": args.out}
             kwargs.update({k: v for k in ("seed", "entities", "dev", "test") if (v := getattr(args, k)) is not None})
-            paths = synthesize(**kwargs)
+            paths = synthesize(**kwargs, force=args.force)
             manifest = json.loads(Path(paths["manifest"]).read_text())
             print(json.dumps({"out": str(kwargs["out_dir"]), "counts": manifest["counts"]}, indent=2))
             return 0
