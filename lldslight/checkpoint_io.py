@@ -26,6 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lldslight.errors import CheckpointError
+from lldslight.writes import write_failure
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -105,11 +106,14 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX within one filesystem (same directory)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # torch's zip writer raises a RuntimeError over the OSError
+        reason = write_failure(err)
+        if reason is None:
+            raise
         kept = f"the previous {path.name} is intact" if path.is_file() else "no earlier checkpoint was there"
-        failure = CheckpointWriteError(f"cannot write checkpoint {path}: {err.strerror or err} ({kept}); free space or "
+        failure = CheckpointWriteError(f"cannot write checkpoint {path}: {reason} ({kept}); free space or "
                                        "choose another directory, then resume")
-        failure.errno = err.errno
+        failure.errno = getattr(err, "errno", None)
         raise failure from None
     finally:
         if tmp.exists():

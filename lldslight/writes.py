@@ -12,13 +12,27 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from lldslight.errors import UserError
 
 
 def _reason(err: OSError) -> str:
     return err.strerror or str(err).splitlines()[0]
+
+
+def write_failure(err: BaseException) -> Optional[str]:
+    """Why a write failed, when ``err`` is the filesystem's refusal (a full disk, a quota, a
+    read-only place): an OSError in its chain (torch's zip writer raises a RuntimeError over it),
+    or safetensors' own I/O error (it writes from Rust and raises no OSError). None otherwise."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return _reason(seen)
+        if type(seen).__name__ == "SafetensorError" and "I/O error" in str(seen):
+            return str(seen).rpartition("I/O error: ")[2]
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -66,7 +80,10 @@ def directory_written_whole(out: Path, what: str) -> Iterator[Path]:
         else:
             for item in tmp.iterdir():
                 os.replace(item, out / item.name)
-    except OSError as err:
-        raise UserError(f"{what}: cannot write {out}: {_reason(err)} (nothing was written there)") from None
+    except Exception as err:
+        reason = write_failure(err)
+        if reason is None:
+            raise
+        raise UserError(f"{what}: cannot write {out}: {reason} (nothing was written there)") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
