@@ -64,24 +64,16 @@ class RunLock:
         self.path, self._handle = path, handle
 
     def release(self) -> None:
-        if self._handle is None:
-            return
-        try:
-            lock_path(self.path).unlink(missing_ok=True)
-        finally:
+        # The lock file stays (hidden, beside the run): removing it would let a process that opened
+        # it before the removal and one that creates a new one both hold "the" lock.
+        if self._handle is not None:
             self._handle.close()  # closing releases the flock
             self._handle = None
 
 
 def claim(path: Path, force: bool, version_key: str) -> RunLock:
-    """Check that ``path`` holds no earlier run (unless ``force``) and lock it for this process.
+    """Lock ``path`` for this process, then check that it holds no earlier run (unless ``force``).
     ``version_key`` is the setting that chose the directory, for the message."""
-    earlier = previous_run(path)
-    if earlier and not force:
-        shown = ", ".join(earlier[:4]) + (f", ... ({len(earlier)} files)" if len(earlier) > 4 else "")
-        raise UserError(f"run directory {path} already holds a run ({shown}); this run would replace its metrics.csv "
-                        f"and config.yaml: choose another {version_key} (or leave it unset for a new version_N), or "
-                        "pass --force to write over it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(lock_path(path), "a+")
@@ -97,8 +89,16 @@ def claim(path: Path, force: bool, version_key: str) -> RunLock:
             handle.close()
             raise UserError(f"run directory {path} is being written by another process (pid {holder}, per "
                             f"{lock_path(path)}); wait for it to end, or give this run another {version_key}") from None
+    lock = RunLock(path, handle)
+    earlier = previous_run(path)
+    if earlier and not force:
+        lock.release()
+        shown = ", ".join(earlier[:4]) + (f", ... ({len(earlier)} files)" if len(earlier) > 4 else "")
+        raise UserError(f"run directory {path} already holds a run ({shown}); this run would replace its metrics.csv "
+                        f"and config.yaml: choose another {version_key} (or leave it unset for a new version_N), or "
+                        "pass --force to write over it")
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
-    return RunLock(path, handle)
+    return lock
