@@ -180,7 +180,7 @@ def _instantiation_error(err: Exception) -> Exception:
     if isinstance(innermost, ValueError):
         return ConfigError(str(innermost))
     if isinstance(innermost, ImportError):  # an optional package the configured class needs
-        hint = " (TensorBoardLogger: pip install 'lldslight[tensorboard]')" if "tensorboard" in str(innermost) else ""
+        hint = " (TensorBoardLogger: pip install -e '.[tensorboard]' in your lldslight clone)" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
 

@@ -577,7 +577,7 @@ def _lora_targets(model: nn.Module, lora: LoRAConfig) -> Union[str, list[str]]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
-BNB_INSTALL = "pip install 'lldslight[gpu]' (bitsandbytes>=0.50, which runs on CPU too)"
+BNB_INSTALL = "pip install -e '.[gpu]' in your lldslight clone (bitsandbytes>=0.50, which runs on CPU too)"
 
 
 def require_bitsandbytes(what: str):

@@ -307,7 +307,7 @@ def test_tensorboard_logger_without_tensorboard_names_the_extra(work, capsys):
         pytest.skip("tensorboard is installed: TensorBoardLogger works")
     code, err = run_cli(["fit", "--config", str(TINY), "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
                          "--trainer.logger.save_dir", str(work / "runs")], work, capsys)
-    assert_one_line_error(code, err, "fit", "tensorboard", "pip install 'lldslight[tensorboard]'")
+    assert_one_line_error(code, err, "fit", "tensorboard", "pip install -e '.[tensorboard]'")
     extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("tensorboard") for req in extras["tensorboard"])
 
