@@ -485,6 +485,7 @@ def _usage() -> str:
 
 
 def _run(argv: list[str], from_command_line: bool) -> int:
+    _quiet_known_warnings()
     if argv and argv[0] in TOOLS:
         target, _ = TOOLS[argv[0]]
         module_name, fn_name = target.split(":")
@@ -498,7 +499,6 @@ def _run(argv: list[str], from_command_line: bool) -> int:
         print(_usage())
         return 0 if argv else 2
     _check_config_files(argv)
-    _quiet_known_warnings()
     # Like `python -m`, make the working directory importable, so YAML can name your own
     # callbacks and reward functions by class_path (e.g. callbacks.trajectory_table.TrajectoryTable).
     if os.getcwd() not in sys.path:
