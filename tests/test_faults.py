@@ -63,25 +63,36 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_sigterm_says_it_finishes_the_step_and_a_second_fit_is_locked_out(tmp_path):
-    proc = start_fit(tmp_path, "term")
-    run = tmp_path / "runs" / "tiny" / "term"
+def signal_fit(tmp_path: Path, name: str, signum: int, meanwhile=lambda proc, run: None) -> tuple[subprocess.Popen, str, Path]:
+    """Start a tiny fit, wait for its first checkpoint, call ``meanwhile``, send ``signum``; the
+    process (ended), its stderr and its run directory."""
+    proc = start_fit(tmp_path, name)
+    run = tmp_path / "runs" / "tiny" / name
     try:
         wait_for(run / "checkpoints" / "last.ckpt", proc)
-        # While it writes: a second fit on the same directory is refused in one line, before its model loads.
-        second = subprocess.run(
-            [sys.executable, "-m", "lldslight.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.logger.init_args.version", "term"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        errors = [l for l in second.stderr.splitlines() if l.startswith("lldslight fit: error:")]
-        assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
-        assert f"run directory {run} is being written by another process (pid {proc.pid}" in errors[0]
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=600)
+        meanwhile(proc, run)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, err, run
+
+
+def second_fit_is_refused(proc: subprocess.Popen, run: Path) -> None:
+    """While ``proc`` writes ``run``, a second fit on it is refused in one line, before its model loads."""
+    second = subprocess.run(
+        [sys.executable, "-m", "lldslight.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         "--trainer.logger.init_args.save_dir", str(run.parents[1]), "--trainer.logger.init_args.version", run.name],
+        cwd=run.parents[2], capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    errors = [l for l in second.stderr.splitlines() if l.startswith("lldslight fit: error:")]
+    assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
+    assert f"run directory {run} is being written by another process (pid {proc.pid}" in errors[0]
+
+
+@pytest.mark.slow
+def test_sigterm_says_it_finishes_the_step_and_a_second_fit_is_locked_out(tmp_path):
+    proc, err, run = signal_fit(tmp_path, "term", signal.SIGTERM, second_fit_is_refused)
     assert proc.returncode == EXIT_TERMINATED, err[-3000:]
     assert SIGTERM_LINE in err.splitlines(), err[-3000:]
     stopped = [l for l in err.splitlines() if l.startswith("lldslight fit: stopped by SIGTERM after step ")]
@@ -95,15 +106,7 @@ def test_sigterm_says_it_finishes_the_step_and_a_second_fit_is_locked_out(tmp_pa
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_after_the_graceful_shutdown(tmp_path):
-    proc = start_fit(tmp_path, "int")
-    run = tmp_path / "runs" / "tiny" / "int"
-    try:
-        wait_for(run / "checkpoints" / "last.ckpt", proc)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, err, run = signal_fit(tmp_path, "int", signal.SIGINT)
     assert proc.returncode == EXIT_INTERRUPTED, err[-3000:]
     stopped = [l for l in err.splitlines() if l.startswith("lldslight fit: stopped by Ctrl-C after step ")]
     assert len(stopped) == 1 and "Traceback" not in err, err[-3000:]
