@@ -362,3 +362,11 @@ def test_a_full_disk_during_index_is_one_line(synth_kb, tmp_path):
     proc = child(["index", "--corpus", str(synth_kb["corpus"]), "--out", str(out)], tmp_path, nbytes=4_000)
     assert_one_line_error(proc.returncode, proc.stderr, "index", str(out), "nothing was written there")
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)
+
+
+def test_an_unwritable_export_out_is_one_line_before_loading(work, module_checkpoint, capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(blocker / "exported")], work, capsys)
+    assert_one_line_error(code, err, "export", "--out", f"cannot write to {blocker}")
+    assert "policy.precision" not in err  # said before the model was built (load_policy announces its precision)
