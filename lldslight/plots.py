@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from lldslight.collapse import read_metrics
 from lldslight.errors import ArgumentParser, UserError
-from lldslight.writes import check_writable
+from lldslight.writes import write_failure
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
@@ -294,10 +294,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         out = str(Path(out) / name)
     try:
         check_format(out)
-        check_writable(Path(out).parent, "--out")
         path = plot_runs(args.run_dirs, out, labels=args.labels, smooth=args.smooth, title=args.title)
-    except UserError as err:  # PlotInputError, or an --out that cannot be written
-        print(f"lldslight plot: error: {err}", file=sys.stderr)
+    except (UserError, OSError) as err:  # PlotInputError, or an --out that cannot be written
+        reason = err if isinstance(err, UserError) else f"--out: cannot write {out}: {write_failure(err)}"
+        print(f"lldslight plot: error: {reason}", file=sys.stderr)
         return 2
     print(path)
     return 0

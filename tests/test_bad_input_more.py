@@ -290,13 +290,14 @@ def test_a_closed_pipe_ends_data_synth_quietly(tmp_path):
 def test_plot_out_names_an_unwritable_format_or_place(work, capsys, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.csv").write_text("step,lld/logp_pos\n0,1.0\n")
+    columns = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")  # what a plot needs
+    (run / "metrics.csv").write_text("step," + ",".join(columns) + "\n" + "".join(f"{i},0.5,-1,-2,1,0.1\n" for i in range(3)))
     code, err = run_cli(["plot", str(run), "--out", str(tmp_path / "x.txt")], work, capsys)
     assert_one_line_error(code, err, "plot", "--out", "x.txt", "matplotlib cannot write .txt", ".png")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     code, err = run_cli(["plot", str(run), "--out", str(blocker / "lld.png")], work, capsys)
-    assert_one_line_error(code, err, "plot", "--out", f"cannot write to {blocker}")
+    assert_one_line_error(code, err, "plot", "--out", f"cannot write {blocker / 'lld.png'}")
 
 
 def test_a_bad_byte_in_metrics_csv_is_named_at_its_offset(work, capsys, tmp_path):

@@ -521,15 +521,16 @@ def _manifest_matches(paths: dict[str, Path], args: dict, fingerprint: str) -> b
 
 
 def _not_ours(paths: dict[str, Path]) -> list[str]:
-    """The files at ``paths`` that exist and are not, byte for byte, what an earlier synthesis
-    recorded in its manifest (the user's own, or edited since)."""
+    """The files at ``paths`` that exist and that no earlier synthesis recorded in its manifest:
+    the user's own. (A recorded file that changed since is the generator's, damaged or stale, and
+    is written again.)"""
     try:
         manifest = json.loads(paths["manifest"].read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         manifest = {}
     ours = manifest.get("files", {}) if isinstance(manifest, dict) and manifest.get("generator") == "lldslight.data.synth" else {}
     found = [k for k, p in paths.items()
-             if k != "manifest" and p.exists() and (not p.is_file() or ours.get(k) != _sha256(p))]
+             if k != "manifest" and p.exists() and (not p.is_file() or k not in ours)]
     if paths["manifest"].exists() and not ours:
         found.append("manifest")
     return [paths[k].name for k in found]
@@ -545,8 +546,7 @@ def synthesize(
     force: bool = False,
 ) -> dict[str, Path]:
     """Write the knowledge base to ``out_dir`` unless a matching one is already there. Files of
-    the same names that an earlier synthesis did not write (or that were edited since) are
-    replaced only with ``force``.
+    the same names that no earlier synthesis wrote (the user's own) are replaced only with ``force``.
 
     Files: corpus.jsonl, {train,dev,test}.parquet (Search-R1), {train,dev,test}.jsonl (FlashRAG),
     manifest.json (args, counts, content fingerprint, file hashes). ``comparisons`` defaults to
@@ -571,8 +571,8 @@ def synthesize(
         return paths
     foreign = _not_ours(paths)
     if foreign and not force:
-        raise ConfigError(f"{out} holds {', '.join(foreign)}, which this generator did not write (or which were changed "
-                          "since); synthesizing would replace them: choose another output directory (--out, "
+        raise ConfigError(f"{out} holds {', '.join(foreign)}, which this generator did not write; synthesizing would "
+                          "replace them: choose another output directory (--out, "
                           "data.synthesize.out_dir), or pass --force to lldslight data synth")
 
     out.mkdir(parents=True, exist_ok=True)
