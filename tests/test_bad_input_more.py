@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from tests.conftest import ROOT
-from tests.test_bad_input import (TINY, assert_one_line_error, module_checkpoint, run_cli, subprocess_cli,  # noqa: F401
+from tests.test_bad_input import (TINY, assert_one_line_error, module_checkpoint, run_cli,  # noqa: F401
                                   tiny_config, unloadable_model, work)
 
 SMOLLM_CONFIG_FIELDS = ("max_position_embeddings", "vocab_size", "num_hidden_layers", "num_key_value_heads",

@@ -11,7 +11,7 @@ from typing import Optional
 
 from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
 from lldslight.data.synth import synthesize
-from lldslight.errors import ArgumentParser, ConfigError, require
+from lldslight.errors import ArgumentParser, require
 
 
 def _parser() -> argparse.ArgumentParser:
