@@ -132,7 +132,8 @@ def test_max_new_tokens_past_the_models_context_is_refused(work, unloadable_mode
                           f"({context} positions", "got 100000")
     cfg = tiny_config(tmp_path / "t.yaml", model=unloadable_model, rollout={"max_new_tokens": context})
     code, err = run_cli(fit_args(cfg, tmp_path / "runs"), work, capsys)
-    assert "rollout.max_new_tokens" not in err, err[-2000:]  # exactly the context is allowed
+    assert "rollout.max_new_tokens must be" not in err, err[-2000:]  # exactly the context passes this check
+    assert "must be at most 0 tokens" in err  # and then leaves no room for a prompt, which is said
 
 
 def test_a_huge_group_is_refused_before_it_fills_the_memory(work, unloadable_model, capsys, tmp_path):
