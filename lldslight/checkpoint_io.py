@@ -26,6 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lldslight.errors import CheckpointError
+from lldslight.writes import write_failure
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -56,26 +57,75 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise checkpoint_error(local, problem) from err
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written (a full disk, a read-only directory); the previous one stays."""
+
+
+TMP_INFIX = ".tmp"
+
+
+def _temporary(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}{TMP_INFIX}{pid}")
+
+
+def _alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary files that writers killed mid-write (SIGKILL, a power cut) left in
+    ``directory``: ``.NAME.tmpPID`` whose process no longer runs. A write in progress (its process
+    alive) is left alone. The target each was meant to replace is the previous complete checkpoint,
+    so nothing is lost that a resume could use. Returns what was removed."""
+    removed = []
+    for tmp in directory.glob(f".*{TMP_INFIX}*") if directory.is_dir() else []:
+        pid = tmp.name.rpartition(TMP_INFIX)[2]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass  # another cleaner got it first, or no right to: it stays a hidden file
+    return removed
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = _temporary(path, os.getpid())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX within one filesystem (same directory)
-        try:
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # make the rename itself durable
-            finally:
-                os.close(fd)
-        except OSError:
-            pass  # some filesystems cannot fsync a directory; the rename is still atomic
+    except (OSError, RuntimeError) as err:  # torch's zip writer raises a RuntimeError over the OSError
+        reason = write_failure(err)
+        if reason is None:
+            raise
+        kept = f"the previous {path.name} is intact" if path.is_file() else "no earlier checkpoint was there"
+        failure = CheckpointWriteError(f"cannot write checkpoint {path}: {reason} ({kept}); free space or "
+                                       "choose another directory, then resume")
+        failure.errno = getattr(err, "errno", None)
+        raise failure from None
     finally:
         if tmp.exists():
             tmp.unlink()
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the rename itself durable
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a directory; the rename is still atomic
 
 
 # -- RNG --------------------------------------------------------------------------------------------

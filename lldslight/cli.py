@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import logging
 import os
 import re
 import sys
@@ -97,6 +98,10 @@ def _cli_class():
                      "checkpoint's saved ones: comma-separated keys (e.g. model.lr,model.clip_eps) or 'all'. "
                      "Without it a resume is exact: the checkpoint's settings win, and every one that differs "
                      "from yours is listed in one line at start (docs/errors_and_resume.md).")
+            parser.add_argument(
+                "--force", type=bool, default=False,
+                help="Write into a run directory that already holds a run (a fixed trainer.logger.init_args.version "
+                     "whose metrics.csv or checkpoints exist): its files of the same names are replaced.")
 
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
@@ -119,13 +124,23 @@ def _cli_class():
             self.resume = resume_settings(self.config, sub, yours)
 
         def _run_subcommand(self, subcommand: str) -> None:
+            from lldslight.run_dir import is_rank_zero
+
+            locks = _claim_run_dirs(self.trainer, bool(self.config[subcommand].get("force"))) if is_rank_zero() else []
+            previous = _announce_sigterm()
             try:
                 super()._run_subcommand(subcommand)
+            except SystemExit as err:  # Lightning's graceful stop after Ctrl-C or SIGTERM
+                raise _stopped(self.trainer, subcommand) or err
             except Exception as err:
                 _remove_empty_run_dirs(self.trainer)
                 if isinstance(err, UserError) and getattr(self, "resume", None) is not None:
                     raise self.resume.explain(err) from err
                 raise
+            finally:
+                for lock in locks:
+                    lock.release()
+                _restore_sigterm(previous)
 
         def instantiate_classes(self) -> None:
             try:
@@ -153,14 +168,19 @@ def _instantiation_error(err: Exception) -> Exception:
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     for e in chain:
         if isinstance(e, UserError):
             return e
+    for e in chain:
+        if isinstance(e, MisconfigurationException):  # Lightning's word for a bad Trainer argument
+            return ConfigError(re.sub(r"^`(\w+)`", r"trainer.\1", str(e).strip().splitlines()[0]))
     innermost = chain[-1]
     if isinstance(innermost, ValueError):
         return ConfigError(str(innermost))
     if isinstance(innermost, ImportError):  # an optional package the configured class needs
-        hint = " (TensorBoardLogger: pip install 'lldslight[tensorboard]')" if "tensorboard" in str(innermost) else ""
+        hint = " (TensorBoardLogger: pip install -e '.[tensorboard]' in your lldslight clone)" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
 
@@ -274,8 +294,8 @@ def resume_settings(config: Any, sub: str, yours: Any) -> Optional[ResumeSetting
     for key in differ:
         pair = (_lookup(theirs, key), _lookup(mine, key))
         if wanted is None or any(key == w or key.startswith(w + ".") for w in wanted):
-            value = yours[key]
-            config[f"{sub}.model.{key}"] = value.clone() if hasattr(value, "clone") else copy.deepcopy(value)
+            leaf, value = _setting(yours, key)
+            config[f"{sub}.model.{leaf}"] = value.clone() if hasattr(value, "clone") else copy.deepcopy(value)
             overridden[key] = pair
         else:
             taken[key] = pair
@@ -284,6 +304,22 @@ def resume_settings(config: Any, sub: str, yours: Any) -> Optional[ResumeSetting
     if line:
         rank_zero_only(lambda: print(line, file=sys.stderr, flush=True))()
     return settings
+
+
+def _setting(namespace: Any, key: str) -> tuple[str, Any]:
+    """The setting of ``namespace`` that holds ``key`` and its value: ``key`` itself, or the
+    mapping-valued setting above it (``policy.random_init`` for ``policy.random_init.hidden_size``:
+    a plain dict, replaced whole, as a config file replaces it), None where yours has none."""
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        try:
+            value = namespace[name]
+        except KeyError:
+            return name, None
+        if not hasattr(value, "as_dict"):  # not a nested Namespace: this setting holds the key
+            return name, value
+    return key, namespace[key]
 
 
 def _lookup(tree: dict, key: str) -> Any:
@@ -297,19 +333,72 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
     goes if it holds nothing but the config Lightning saved at start (config.yaml, hparams.yaml)
     and empty folders. Anything else in it (metrics, checkpoints, files of yours) keeps it."""
     import shutil
-    from pathlib import Path
+
+    from lldslight.run_dir import log_dir, previous_run
 
     for logger in getattr(trainer, "loggers", None) or []:
-        try:
-            log_dir = logger.log_dir
-        except Exception:
-            continue
-        path = Path(str(log_dir)) if log_dir else None
-        if path is None or not path.is_dir():
-            continue
-        files = [p for p in path.rglob("*") if not p.is_dir()]
-        if all(p.parent == path and p.name in ("config.yaml", "hparams.yaml") for p in files):
+        path = log_dir(logger)
+        if path is not None and path.is_dir() and not previous_run(path):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _claim_run_dirs(trainer: Any, force: bool) -> list:
+    """Each logger's run directory checked (no earlier run in it without --force) and locked."""
+    from lldslight.run_dir import claim, log_dir
+
+    locks: list = []
+    try:
+        for logger in getattr(trainer, "loggers", None) or []:
+            path = log_dir(logger)
+            if path is not None:
+                locks.append(claim(path, force, "trainer.logger.init_args.version"))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+SIGTERM_LINE = ("[lldslight] SIGTERM: finishing the training step in flight (its rollout and update; minutes on a "
+                "slow machine), then stopping after the step's checkpoint; SIGKILL stops at once (the last "
+                "checkpoint written stays)")
+
+
+def _announce_sigterm() -> Any:
+    """Say at once what a SIGTERM does: Lightning finishes the step, silently. Lightning composes
+    a handler found installed with its own. Returns the handler to restore, or None."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+
+    def announce(signum: int, frame: Any) -> None:
+        print(SIGTERM_LINE, file=sys.stderr, flush=True)
+
+    return signal.signal(signal.SIGTERM, announce)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(trainer: Any, subcommand: str) -> Optional[Exception]:
+    """The Stopped error (its message and exit status) of a run Lightning stopped on Ctrl-C or SIGTERM."""
+    from lldslight.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Stopped
+
+    sigterm = bool(getattr(trainer, "received_sigterm", False))
+    if trainer is None or not (sigterm or getattr(trainer, "interrupted", False)):
+        return None
+    ckpt = getattr(getattr(trainer, "checkpoint_callback", None), "last_model_path", "") or ""
+    saved = (f"the last checkpoint is {ckpt} (resume: --ckpt_path last, or --ckpt_path {ckpt})" if ckpt
+             else "no checkpoint was written")
+    what = "SIGTERM" if sigterm else "Ctrl-C"
+    return Stopped(f"stopped by {what} after step {trainer.global_step}; {saved}",
+                   EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED)
 
 
 TRAINER_DEFAULTS = {
@@ -331,25 +420,35 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     # GRPOModule.on_after_batch_transfer (exact-resume RNG) is meant to run beside the datamodule's hooks.
     warnings.filterwarnings("ignore", message=".*overridden `on_after_batch_transfer` in `LightningModule`.*")
+    # peft (PeftModel.__init__) reads transformers' deprecated is_gradient_checkpointing; lldslight does not.
+    warnings.filterwarnings("ignore", message=".*`is_gradient_checkpointing` is deprecated.*")
+    # Lightning advertises its cloud products ("Tip: ... try installing litlogger / litmodels") on every
+    # run; a line that is not about the run.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoProductTips) for f in logger.filters):
+            logger.addFilter(_NoProductTips())
+
+
+class _NoProductTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).lstrip().startswith("\U0001f4a1 Tip:")
 
 
 def _check_config_files(argv: list[str]) -> None:
-    """jsonargparse reports YAML syntax errors without the file's name: check each --config first."""
-    import yaml
+    """Each ``--config`` (a file or an inline YAML string) checked before jsonargparse reads it: its
+    errors name no file, and it has no bounds and keeps a key given twice silently
+    (lldslight/config_files.py)."""
+    from lldslight.config_files import check_text, load_file
 
-    from lldslight.errors import ConfigError
-
-    for flag, value in zip(argv, argv[1:]):
-        if flag not in ("--config", "-c") or not os.path.isfile(value):
+    pairs = list(zip(argv, argv[1:])) + [tuple(a.split("=", 1)) for a in argv if a.startswith("--config=")]
+    for flag, value in pairs:
+        if flag not in ("--config", "-c"):
             continue
-        try:
-            with open(value) as f:
-                yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err)
-            raise ConfigError(f"malformed YAML in {value}{where}: {problem}") from None
+        if os.path.isfile(value):
+            load_file(value)
+        elif not os.path.isdir(value):
+            check_text(value, f"--config {value[:60]!r}")
 
 
 def _jsonargparse_one_line(message: str) -> str:
@@ -386,6 +485,7 @@ def _usage() -> str:
 
 
 def _run(argv: list[str], from_command_line: bool) -> int:
+    _quiet_known_warnings()
     if argv and argv[0] in TOOLS:
         target, _ = TOOLS[argv[0]]
         module_name, fn_name = target.split(":")
@@ -399,7 +499,6 @@ def _run(argv: list[str], from_command_line: bool) -> int:
         print(_usage())
         return 0 if argv else 2
     _check_config_files(argv)
-    _quiet_known_warnings()
     # Like `python -m`, make the working directory importable, so YAML can name your own
     # callbacks and reward functions by class_path (e.g. callbacks.trajectory_table.TrajectoryTable).
     if os.getcwd() not in sys.path:
@@ -437,10 +536,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from jsonargparse import ArgumentError
 
-    from lldslight.errors import UserError
+    from lldslight.errors import EXIT_BROKEN_PIPE, Stopped, UserError
 
     try:
-        return _run(argv, from_command_line)
+        code = _run(argv, from_command_line)
+        sys.stdout.flush()  # here, so that a reader that left is seen below, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader of the output left (`lldslight data synth | head`): nothing more to say to it,
+        # and nothing to report (a pipe's reader may stop early). Later writes go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Stopped as stop:
+        print(f"lldslight{' ' + command if command else ''}: {stop}", file=sys.stderr)
+        return stop.code
     except (UserError, ArgumentError) as err:
         if debug:  # the traceback, then the same line and exit status as without --debug
             traceback.print_exc()

@@ -198,9 +198,19 @@ def read_metrics(path) -> "pandas.DataFrame":
         path = found[0]
     try:
         frame = pd.read_csv(path)
-    except UnicodeDecodeError as err:
-        # gzip's own reader raises this too, so the byte and offset are the decompressed text's
-        raise UserError(f"{path}: not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} at offset {err.start}); "
+    except UnicodeDecodeError:
+        # pandas decodes in chunks: its error's offset is within a chunk. The file's own offset
+        # (of the decompressed text, for a .gz) comes from decoding it whole.
+        import gzip
+
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        try:
+            data.decode("utf-8")
+            where = ""
+        except UnicodeDecodeError as whole:
+            line = data[: whole.start].count(b"\n") + 1
+            where = f"byte {data[whole.start:whole.start + 1]!r} at offset {whole.start}, line {line}"
+        raise UserError(f"{path}: not UTF-8 text ({where or 'undecodable bytes'}); "
                         "is this a Lightning CSVLogger metrics.csv?") from None
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError) as err:
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -59,3 +59,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+# Exit statuses of a command stopped by a signal, after Lightning's graceful shutdown: the shell's own
+# convention, 128 + the signal's number (SIGINT 2, SIGTERM 15), so scripts and schedulers read them
+# as "interrupted", not as a failure (1) or bad input (2).
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+EXIT_BROKEN_PIPE = 141  # the reader of stdout left (`lldslight data synth | head`), as SIGPIPE would end a C tool
+
+
+class Stopped(Exception):
+    """A run stopped on request (Ctrl-C, SIGTERM): the CLI prints the message and exits with ``code``."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code

@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from lldslight.errors import ArgumentParser, CheckpointError, UserError
+from lldslight.errors import ArgumentParser, CheckpointError
 from lldslight.policy import LoRAConfig, PolicyConfig
 from lldslight.preflight import check_checkpoint
+from lldslight.writes import check_out_dir
 
 
 def policy_from_hparams(value: Any) -> PolicyConfig:
@@ -60,26 +61,13 @@ def load_checkpoint(path: Path) -> dict:
     return checkpoint
 
 
-def check_out(out: Path, force: bool) -> None:
-    """``out`` must be a new or empty directory, unless ``force``: an export writes config.json,
-    the weights and the tokenizer files, and would replace a user's files of the same name."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a directory; give a directory for the exported model")
-    if out.is_dir() and not force:
-        present = sorted(p.name for p in out.iterdir())
-        if present:
-            shown = ", ".join(present[:6]) + (f", ... ({len(present)} in all)" if len(present) > 6 else "")
-            raise UserError(f"--out {out} is not empty (it holds {shown}); the export would replace files of the same "
-                            "name: pass --force to write into it anyway, or choose a new directory")
-
-
 def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None, force: bool = False) -> Path:
     """Write the merged model and its tokenizer to ``out``; return ``out``. A non-empty ``out`` is
     written into only with ``force`` (checked before anything loads)."""
     from lldslight.policy import export_dtype, load_policy, resolve_dtype, save_merged
 
     ckpt, out = Path(ckpt), Path(out)
-    check_out(out, force)
+    check_out_dir(out, force, "--out", "the export")
     checkpoint = load_checkpoint(ckpt)
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
     # Merge in float32 on whatever machine this runs on; cast once at the end.

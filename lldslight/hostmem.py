@@ -71,3 +71,20 @@ def trim() -> None:
     one's leftovers. A few ms; a no-op elsewhere."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give a process now, without swapping: Linux's MemAvailable
+    (free memory plus the caches it can drop), else the physical memory not in use; the bounds on
+    sizes a user types (a config's size, rollout rows) are taken from it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30  # no way to ask (not Linux, no sysconf): assume a small machine

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, ContextManager, Literal, Mapping, Optional, get_args
 
@@ -167,7 +168,7 @@ class GRPOModule(pl.LightningModule):
         require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", "two numbers in [0, 1)", betas)
         require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
         require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
-        require(logprob_temperature > 0, "model.logprob_temperature", "> 0", logprob_temperature)
+        require(0 < logprob_temperature < math.inf, "model.logprob_temperature", "> 0 and finite", logprob_temperature)
         require(optimizer in get_args(Optimizer), "model.optimizer", f"one of {get_args(Optimizer)}", optimizer)
         # The update's settings, typed; UpdateConfig checks their ranges (the same "model.<key>" messages).
         self.update_config: UpdateConfig = UpdateConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(UpdateConfig)})

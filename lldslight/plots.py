@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 from lldslight.collapse import read_metrics
 from lldslight.errors import ArgumentParser, UserError
+from lldslight.writes import write_failure
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}
@@ -267,6 +268,17 @@ def plot_runs(
     return out
 
 
+def check_format(out: str) -> None:
+    """``out``'s extension must be one matplotlib writes (its own list); none means PNG."""
+    from matplotlib.figure import Figure
+
+    suffix = Path(out).suffix.lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise PlotInputError(f"--out {out}: matplotlib cannot write .{suffix} files; give one of "
+                             f"{', '.join('.' + f for f in sorted(formats))}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = ArgumentParser(prog="lldslight plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.csv (e.g. runs/demo/version_0)")
@@ -281,9 +293,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if Path(out).is_dir():  # --out DIR: the default file name inside it, not ./DIR.png
         out = str(Path(out) / name)
     try:
+        check_format(out)
         path = plot_runs(args.run_dirs, out, labels=args.labels, smooth=args.smooth, title=args.title)
-    except PlotInputError as err:
-        print(f"lldslight plot: error: {err}", file=sys.stderr)
+    except (UserError, OSError) as err:  # PlotInputError, or an --out that cannot be written
+        reason = err if isinstance(err, UserError) else f"--out: cannot write {out}: {write_failure(err)}"
+        print(f"lldslight plot: error: {reason}", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from lldslight.errors import ConfigError, UserError, choices, require
+from lldslight.writes import directory_written_whole
 
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16
@@ -131,8 +133,13 @@ class PolicyConfig:
                 self.lora, "quantized base weights cannot be trained, QLoRA trains a LoRA adapter on top of them")
 
 
+CACHE_ENV = "LLDSLIGHT_CACHE"
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("LLDSLIGHT_CACHE", Path.home() / ".cache" / "lldslight"))
+    """Where lldslight caches what it derives once (a demo model de-quantised from its GGUF):
+    ``$LLDSLIGHT_CACHE``, else ``~/.cache/lldslight``."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "lldslight"))
 
 
 def resolve_dtype(dtype: Optional[DType]) -> torch.dtype:
@@ -322,15 +329,22 @@ def materialise_gguf(gguf: Path) -> Path:
         return out
     log.info("De-quantising %s into %s (once)", gguf, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already de-quantised; drop the GGUF loader's marker so they save as plain fp32.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "lldslight-done").write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)  # before the minute of conversion: a read-only cache fails now
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already de-quantised; drop the GGUF loader's marker so they save as plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lldslight-done").write_text(json.dumps({"source": str(gguf)}))
+    except OSError as err:  # a read-only or full disk: say which directory, and how to choose another
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PolicyLoadError(f"cannot write the model cache {out.parent}: {err.strerror or err} (the demo model is "
+                              f"de-quantised there once; set {CACHE_ENV} to a writable directory, default "
+                              "~/.cache/lldslight)") from None
     # A rename is atomic: a concurrent or interrupted conversion never leaves a half-written cache.
     try:
         tmp.rename(out)
@@ -340,8 +354,22 @@ def materialise_gguf(gguf: Path) -> Path:
     return out
 
 
-def resolve_model_dir(cfg: PolicyConfig) -> str:
-    """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument."""
+def model_config(cfg: PolicyConfig, model_dir: Optional[str] = None):
+    """The transformers config of the policy ``cfg`` builds (``random_init``'s changes applied),
+    read without loading any weight."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir or resolve_model_dir(cfg, weights=False))
+    for key, value in (cfg.random_init or {}).items():
+        if not hasattr(config, key):
+            raise PolicyLoadError(f"random_init: {type(config).__name__} has no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def resolve_model_dir(cfg: PolicyConfig, weights: bool = True) -> str:
+    """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument (a
+    local directory's weight files checked unless ``weights`` is False)."""
     if cfg.model in DEMO_MODELS:
         return str(materialise_gguf(demo_gguf_path(cfg.model)))
     path = Path(cfg.model).expanduser()
@@ -357,7 +385,7 @@ def resolve_model_dir(cfg: PolicyConfig) -> str:
     if path.exists() and not (path / "config.json").exists():
         raise PolicyLoadError(f"{path} exists but holds no config.json: not a Hugging Face model directory")
     if path.is_dir():
-        _check_model_files(path, weights=cfg.random_init is None)
+        _check_model_files(path, weights=weights and cfg.random_init is None)
     if not path.exists() and ("/" not in cfg.model or cfg.model.startswith((".", "/", "~"))):
         raise PolicyLoadError(
             f"model {cfg.model!r} is neither a demo model ({', '.join(DEMO_MODELS)}), nor an existing "
@@ -462,7 +490,7 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
     ``dequantize``: quantize the base as configured, then turn it back into float layers before the
     adapter goes on (export: the adapter merges into the very weights it was trained against).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(cfg, model_dir)
@@ -474,11 +502,7 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.random_init is not None:
-        config = AutoConfig.from_pretrained(model_dir)
-        for key, value in cfg.random_init.items():
-            if not hasattr(config, key):
-                raise PolicyLoadError(f"random_init: {type(config).__name__} has no field {key!r}")
-            setattr(config, key, value)
+        config = model_config(cfg, model_dir)
         if cfg.attn_implementation:
             config._attn_implementation = cfg.attn_implementation
         with _seeded(cfg.init_seed):
@@ -535,7 +559,12 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
                 if isinstance(layer, BaseTunerLayer):
                     layer.cast_input_dtype_enabled = False
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed gradient_checkpointing_enable (deprecated, removed in v6); older ones have only that.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._lldslight_arithmetic = arith  # read by precision_autocast (trainer and sampler)
     return model, tokenizer
 
@@ -548,7 +577,7 @@ def _lora_targets(model: nn.Module, lora: LoRAConfig) -> Union[str, list[str]]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
-BNB_INSTALL = "pip install 'lldslight[gpu]' (bitsandbytes>=0.50, which runs on CPU too)"
+BNB_INSTALL = "pip install -e '.[gpu]' in your lldslight clone (bitsandbytes>=0.50, which runs on CPU too)"
 
 
 def require_bitsandbytes(what: str):
@@ -679,8 +708,9 @@ def save_merged(model: nn.Module, tokenizer, out: Path, dtype: torch.dtype, meta
         model = model.merge_and_unload()
     model = model.to(dtype)
     model.config.use_cache = True
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
+    # All files or none: a full disk must not leave a config.json without its weights.
+    with directory_written_whole(out, "saving the model") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lldslight_export.json").write_text(json.dumps(meta, indent=2, default=str))
     return out

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from lldslight.errors import CheckpointError, MissingFileError
 
+LIGHTNING_KEY = "pytorch-lightning_version"
 # Values of --ckpt_path that Lightning resolves itself (not file paths).
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
@@ -74,11 +75,16 @@ def checkpoint_problem(path: Path) -> Optional[str]:
             for info in z.infolist():
                 if info.header_offset + info.compress_size > size:
                     return f"{info.filename} runs past the end of the file"
-            z.read(pickles[0])
+            tree = z.read(pickles[0])
     except zipfile.BadZipFile as e:
         return f"truncated or not a torch checkpoint ({e})"
     except (OSError, EOFError, RuntimeError, ValueError) as e:  # CRC errors are BadZipFile, short reads EOFError
         return f"unreadable ({type(e).__name__}: {e})"
+    # Lightning reads this key first (a KeyError otherwise); pickle stores a dict's string keys as
+    # their UTF-8 bytes, so it is found without unpickling anything.
+    if LIGHTNING_KEY.encode() not in tree:
+        return (f"not a Lightning checkpoint (no {LIGHTNING_KEY!r}: a plain torch.save file?); lldslight fit writes "
+                "them to runs/NAME/version_N/checkpoints/")
     return None
 
 
@@ -115,7 +121,13 @@ def check_checkpoint(ckpt_path: Any) -> None:
         return
     path = Path(text).expanduser()
     if path.is_dir():
-        return  # a sharded (distributed) checkpoint directory: Lightning's strategy reads it
+        if (path / ".metadata").is_file():
+            return  # a sharded (distributed) checkpoint directory: Lightning's strategy reads it
+        inside = sorted(p.name for p in path.glob("*.ckpt"))
+        example = "last.ckpt" if "last.ckpt" in inside else (inside or [""])[-1]
+        holds = f"it holds {', '.join(inside[:4])}: pass one, e.g. --ckpt_path {path / example}" if inside else "it holds no *.ckpt file"
+        raise CheckpointError(f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no "
+                              f".metadata); {holds} (or --ckpt_path last for the newest run's last.ckpt)")
     if not path.exists():
         raise MissingFileError(f"checkpoint not found: {path}{_alternative(path)}")
     problem = checkpoint_problem(path)

@@ -39,12 +39,13 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 
 from lldslight.data.example import QAExample
-from lldslight.errors import ArgumentParser, ConfigError
+from lldslight.errors import ArgumentParser, ConfigError, UserError
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, model_arithmetic, save_merged
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import Layout, format_observation, observation_ids, pack, prompt_token_ids
+from lldslight.writes import check_out_dir, check_writable
 
 
 @dataclass
@@ -274,7 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-template", default=None,
                         help="user prompt with one {question} (default: Search-R1's); must equal the fit config's data.prompt_template")
-    parser.add_argument("--force", action="store_true", help="retrain even when OUT already holds this warm start")
+    parser.add_argument("--force", action="store_true", help="retrain even when OUT already holds this warm start; write into "
+                        "an OUT that holds other files (files of the same name, e.g. config.json, are replaced)")
     args = parser.parse_args(argv)
 
     lora = LoRAConfig(r=args.lora_r, alpha=2 * args.lora_r) if args.lora_r > 0 else None
@@ -288,21 +290,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.prompt_template is not None:  # absent from the request otherwise: earlier warm starts stay cached
         request["prompt_template"] = args.prompt_template
     marker = Path(args.out) / "lldslight_export.json"
-    if marker.is_file() and not args.force:
-        try:
-            done = json.loads(marker.read_text()).get("request")
-        except json.JSONDecodeError:
-            done = None
-        if done is not None and _cache_key(done) == _cache_key(request):
-            print(f"[lldslight] sft: {args.out} already holds this warm start (--force to retrain)")
-            return 0
-    from lldslight.data.formats import DataFormatError
-    from lldslight.policy import PolicyLoadError
-    from lldslight.retrieval.base import RetrievalError
-
+    try:
+        earlier = json.loads(marker.read_text()) if marker.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        earlier = None
+    done = earlier.get("request") if isinstance(earlier, dict) else None
+    if done is not None and not args.force and _cache_key(done) == _cache_key(request):
+        print(f"[lldslight] sft: {args.out} already holds this warm start (--force to retrain)")
+        return 0
     # Bad input (a missing or malformed file, an unreachable retriever, an unusable model, no usable
     # example) ends with one line naming it, as the other lldslight tools do, not a traceback.
     try:
+        # Before anything loads: a directory of the user's is not overwritten without --force (an
+        # earlier warm start of another request is lldslight's own, replaced), and it must be writable.
+        if done is None:
+            check_out_dir(Path(args.out), args.force, "--out", "the warm start")
+        else:
+            check_writable(Path(args.out).parent, "--out")
         examples = [ex for path in args.data for ex in load_examples(path)]
         if args.prompt_template is not None:
             check_template(args.prompt_template, "--prompt-template")
@@ -318,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             retriever = HttpRetriever(url=args.retriever_url)
         summary = warm_start(examples, retriever, args.out, policy, gold, args.epochs, args.batch_size, args.lr, args.seed,
                              meta={"request": request})
-    except (DataFormatError, RetrievalError, PolicyLoadError, FloatingPointError, ValueError) as e:  # ConfigError is a ValueError
+    except (UserError, FloatingPointError, ValueError) as e:  # DataFormatError, RetrievalError, PolicyLoadError, ...
         print(f"lldslight sft: error: {e}", file=sys.stderr)
         return 2
     return 0 if math.isfinite(summary["final_loss"]) else 1

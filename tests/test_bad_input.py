@@ -52,7 +52,7 @@ def unloadable_model(work) -> Path:
             shutil.copy(f, out / f.name)
     (out / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not a safetensors header")
     with pytest.raises(Exception):  # loading it fails: a check that reports its own error ran first
-        load_policy(PolicyConfig(model=str(out), dtype="float32", lora=None))
+        load_policy(PolicyConfig(model=str(out), precision="fp32", lora=None))
     return out
 
 
@@ -116,10 +116,10 @@ def silent_server():
         yield f"http://127.0.0.1:{s.getsockname()[1]}/retrieve"
 
 
-def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "lldslight.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- item 6: knobs
@@ -307,7 +307,7 @@ def test_tensorboard_logger_without_tensorboard_names_the_extra(work, capsys):
         pytest.skip("tensorboard is installed: TensorBoardLogger works")
     code, err = run_cli(["fit", "--config", str(TINY), "--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger",
                          "--trainer.logger.save_dir", str(work / "runs")], work, capsys)
-    assert_one_line_error(code, err, "fit", "tensorboard", "pip install 'lldslight[tensorboard]'")
+    assert_one_line_error(code, err, "fit", "tensorboard", "pip install -e '.[tensorboard]'")
     extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("tensorboard") for req in extras["tensorboard"])
 
@@ -347,7 +347,8 @@ def _checkpoints(directory: Path) -> dict[str, Path]:
     paths = {}
     for i, name in enumerate(["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]):
         p = directory / name
-        torch.save({"state_dict": {"w": torch.full((64, 64), float(i))}, "global_step": i + 1}, p)
+        torch.save({"state_dict": {"w": torch.full((64, 64), float(i))}, "global_step": i + 1,
+                    "pytorch-lightning_version": "2.6.0"}, p)
         os.utime(p, (1_000_000 + i, 1_000_000 + i))
         paths[name] = p
     data = paths["last.ckpt"].read_bytes()
@@ -566,13 +567,15 @@ def module_checkpoint(work) -> Path:
     """A checkpoint as GRPOModule writes it (trainable weights, hyper-parameters), of tiny.yaml's policy."""
     import dataclasses
 
+    import lightning
+
     from lldslight.module import GRPOModule
     from tests.conftest import tiny_policy_config
 
     policy = tiny_policy_config()
     module = GRPOModule(policy=policy, lr=1e-3, updates_per_rollout=2, micro_batch_size=2)
     module.configure_model()
-    checkpoint = {"state_dict": module.state_dict(), "global_step": 1,
+    checkpoint = {"state_dict": module.state_dict(), "global_step": 1, "pytorch-lightning_version": lightning.__version__,
                   # as the CLI saves them: plain values (dataclasses as dicts), loadable with weights_only
                   "hyper_parameters": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                                        for k, v in module.hparams.items()}}

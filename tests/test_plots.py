@@ -145,7 +145,7 @@ def test_a_metrics_file_that_is_not_csv_text_is_refused_by_name(tmp_path):
     run = tmp_path / "version_0"
     run.mkdir()
     (run / "metrics.csv").write_bytes(b"\xff\xfe\x00binary\x00\x80\x81")
-    with pytest.raises(PlotInputError, match=r"version_0/metrics.csv: not UTF-8 text \(byte b'\\xff' at offset 0\)"):
+    with pytest.raises(PlotInputError, match=r"version_0/metrics.csv: not UTF-8 text \(byte b'\\xff' at offset 0, line 1\)"):
         read_run(run)
 
 

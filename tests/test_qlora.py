@@ -304,7 +304,7 @@ def test_qlora_cli_fit_resume_and_export(tmp_path):
 
     # Export: the nf4 base is rebuilt from the seed, dequantized to float32, the adapter merged.
     _, policy = trained_policy(ckpt_path)
-    assert (policy.quantization, policy.dtype, policy.lora.r) == ("nf4", "auto", 64)
+    assert (policy.quantization, policy.precision, policy.dtype, policy.lora.r) == ("nf4", "auto", None, 64)
     export_matches_training(ckpt_path, tmp_path / "exported")
 
 

@@ -107,6 +107,6 @@ def test_qlora_overlay_composes_with_a_recipe(tmp_path):
         "--trainer.logger.init_args.save_dir", str(tmp_path),
     ])
     policy = cli.model.policy_config
-    assert (policy.quantization, policy.dtype, policy.lora.r) == ("nf4", "auto", 64)
+    assert (policy.quantization, policy.precision, policy.dtype, policy.lora.r) == ("nf4", "auto", None, 64)
     assert cli.model.hparams.optimizer == "adamw8bit"
     assert isinstance(cli.trainer.strategy, DDPStrategy)

@@ -11,10 +11,12 @@ import lightning.pytorch as pl
 from tqdm.auto import tqdm
 
 from lldslight import evaluation
+from lldslight.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
 from lldslight.distributed import reduce_over_ranks
 from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
 from lldslight.metric_rules import reduction
+from lldslight.policy import load_tokenizer, resolve_model_dir
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
@@ -98,7 +100,9 @@ class SearchRollout(pl.Callback):
                 require(updates <= rows, "model.updates_per_rollout",
                         f"<= the rollout rows per step and rank (data.batch_size {batch} x rollout.group_size "
                         f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
-        # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
+        # Before the policy loads (GRPOModule.configure_model): sizes against the model and the
+        # machine, then open the index, probe the server.
+        self._check_sizes(trainer, pl_module, stage)
         check_retriever(self.retriever, self.config.topk)
         temp = pl_module.logprob_temperature
         if stage == "fit" and abs(temp - self.config.temperature) > 1e-9:
@@ -106,6 +110,25 @@ class SearchRollout(pl.Callback):
                 f"rollout.temperature={self.config.temperature} but model.logprob_temperature={temp}: "
                 "the first update is then not on-policy (ratio != 1); set them equal"
             )
+
+    def _check_sizes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        policy_cfg = getattr(pl_module, "policy_config", None)
+        shape = policy_shape(policy_cfg) if policy_cfg is not None else None
+        if shape is None:
+            return
+        check_lengths(self.config, shape)
+        datamodule = trainer.datamodule
+        batch = getattr(datamodule, "batch_size", None)
+        if stage == "fit" and isinstance(batch, int):
+            memory, words = device_memory(trainer.strategy.root_device)
+            group = self.config.group_size
+            check_rows(batch * group, batch, group, self.config, shape, memory, words)
+        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage, ())
+        examples = [(s, getattr(datamodule, f"{s}_examples", None) or []) for s in splits]
+        if any(rows for _, rows in examples):
+            tokenizer = load_tokenizer(policy_cfg, resolve_model_dir(policy_cfg, weights=False))
+            for split, rows in examples:
+                check_prompts(rows, tokenizer, self.config, shape, split)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         # Here, not in setup: SearchRolloutOptions may turn the option on in its own setup.

@@ -11,7 +11,7 @@ from typing import Optional
 
 from lldslight.data.formats import DataFormatError, iter_corpus, load_examples
 from lldslight.data.synth import synthesize
-from lldslight.errors import ArgumentParser, ConfigError, require
+from lldslight.errors import ArgumentParser, require
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--entities", type=int, default=None, help="default 200")
     s.add_argument("--dev", type=int, default=None, help="dev questions (default 64)")
     s.add_argument("--test", type=int, default=None, help="test questions (default 64)")
+    s.add_argument("--force", action="store_true",
+                   help="replace files of the same names (train.jsonl, corpus.jsonl, ...) that an earlier synthesis did not write")
     i = sub.add_parser("inspect", help="counts per data_source and 3 examples of a question or corpus file")
     i.add_argument("file", help=".parquet, .jsonl, .json, or a saved HF dataset directory")
     i.add_argument("--split", default=None, help="split of a saved HF DatasetDict")
@@ -33,14 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _synth_args_from_config(path: str) -> dict:
-    import yaml
+    from lldslight.config_files import load_file
 
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"malformed YAML in {path}: {e}") from None
+    config = load_file(path)
     synth = ((config or {}).get("data") or {}).get("synthesize") if isinstance(config, dict) else None
     require(isinstance(synth, dict) and "out_dir" in synth, f"{path}: data.synthesize", "a mapping with an out_dir", synth)
     return dict(synth)
@@ -78,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "synth":
             kwargs = _synth_args_from_config(args.config) if args.config else {"out_dir": args.out}
             kwargs.update({k: v for k in ("seed", "entities", "dev", "test") if (v := getattr(args, k)) is not None})
-            paths = synthesize(**kwargs)
+            paths = synthesize(**kwargs, force=args.force)
             manifest = json.loads(Path(paths["manifest"]).read_text())
             print(json.dumps({"out": str(kwargs["out_dir"]), "counts": manifest["counts"]}, indent=2))
             return 0

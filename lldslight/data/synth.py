@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.data.example import QAExample
-from lldslight.errors import require
+from lldslight.errors import ConfigError, require
 from lldslight.data.formats import (
     format_passage,
     template_messages,
@@ -520,6 +520,22 @@ def _manifest_matches(paths: dict[str, Path], args: dict, fingerprint: str) -> b
     return all(paths[k].is_file() and files.get(k) == _sha256(paths[k]) for k in paths if k != "manifest")
 
 
+def _not_ours(paths: dict[str, Path]) -> list[str]:
+    """The files at ``paths`` that exist and that no earlier synthesis recorded in its manifest:
+    the user's own. (A recorded file that changed since is the generator's, damaged or stale, and
+    is written again.)"""
+    try:
+        manifest = json.loads(paths["manifest"].read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        manifest = {}
+    ours = manifest.get("files", {}) if isinstance(manifest, dict) and manifest.get("generator") == "lldslight.data.synth" else {}
+    found = [k for k, p in paths.items()
+             if k != "manifest" and p.exists() and (not p.is_file() or k not in ours)]
+    if paths["manifest"].exists() and not ours:
+        found.append("manifest")
+    return [paths[k].name for k in found]
+
+
 def synthesize(
     out_dir: str | os.PathLike,
     seed: int = 0,
@@ -527,8 +543,10 @@ def synthesize(
     dev: int = 64,
     test: int = 64,
     comparisons: Optional[int] = None,
+    force: bool = False,
 ) -> dict[str, Path]:
-    """Write the knowledge base to ``out_dir`` unless a matching one is already there.
+    """Write the knowledge base to ``out_dir`` unless a matching one is already there. Files of
+    the same names that no earlier synthesis wrote (the user's own) are replaced only with ``force``.
 
     Files: corpus.jsonl, {train,dev,test}.parquet (Search-R1), {train,dev,test}.jsonl (FlashRAG),
     manifest.json (args, counts, content fingerprint, file hashes). ``comparisons`` defaults to
@@ -551,6 +569,11 @@ def synthesize(
     fingerprint = _content_fingerprint(corpus, splits)
     if _manifest_matches(paths, args, fingerprint):
         return paths
+    foreign = _not_ours(paths)
+    if foreign and not force:
+        raise ConfigError(f"{out} holds {', '.join(foreign)}, which this generator did not write; synthesizing would "
+                          "replace them: choose another output directory (--out, "
+                          "data.synthesize.out_dir), or pass --force to lldslight data synth")
 
     out.mkdir(parents=True, exist_ok=True)
     paths["manifest"].unlink(missing_ok=True)

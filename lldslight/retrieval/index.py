@@ -461,6 +461,10 @@ class IndexedRetriever:
                 except OSError:
                     if not is_index_dir(target):  # lost a race: the winner's index is as good
                         raise
+        except OSError as e:  # a full disk or a quota: one line, and no half-written index left
+            why = e.strerror or str(e).splitlines()[0]
+            raise RetrievalError(f"cannot write the {self.kind} index for {corpus} to {target}: {why} (a full disk?); "
+                                 f"nothing was written there") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ EM/F1 score one answer, the one in its last action (rewards.final_answer).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class RolloutConfig:
         if not self.greedy:
             require(self.temperature > 0, "rollout.temperature", "> 0 when sampling", self.temperature,
                     "0 divides the logits by zero; greedy decoding is rollout.greedy: true")
+            require(math.isfinite(self.temperature), "rollout.temperature", "finite", self.temperature,
+                    "an infinite temperature makes every token equally likely (the logits divided to 0)")
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
 

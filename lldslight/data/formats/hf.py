@@ -33,6 +33,13 @@ def load_hf_dataset(
         ds = datasets.load_from_disk(str(p)) if is_saved else datasets.load_dataset(str(path_or_name), split=split)
     except FileNotFoundError as e:
         raise field_error(path_or_name, None, None, f"no such dataset ({e})") from e
+    except Exception as e:  # datasets' many error types, with many lines; a local directory is the user's input
+        if not p.is_dir():
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise field_error(path_or_name, None, None, "a directory, but neither a dataset saved with save_to_disk (no "
+                          "dataset_info.json or dataset_dict.json) nor data files datasets.load_dataset reads "
+                          f"({type(e).__name__}: {first}); give a .parquet, .jsonl or .json file") from None
     if isinstance(ds, datasets.DatasetDict):
         if split is None and len(ds) == 1:
             split = next(iter(ds))
