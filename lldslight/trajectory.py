@@ -41,7 +41,7 @@ class Trajectory:
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
     old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
-    pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.negative_advantages)
+    pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.update.negative_advantages)
     extras: dict[str, Any] = field(default_factory=dict)  # per-row lists/tensors are sliced by select
 
     def __len__(self) -> int:

@@ -95,7 +95,7 @@ class SearchRollout(pl.Callback):
                 # Known only here (data.batch_size x rollout.group_size): more mini-batches than rows
                 # would leave some empty, and those updates would silently not happen.
                 rows = batch * self.config.group_size
-                require(updates <= rows, "model.updates_per_rollout",
+                require(updates <= rows, "model.update.updates_per_rollout",
                         f"<= the rollout rows per step and rank (data.batch_size {batch} x rollout.group_size "
                         f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
         # Before the policy loads (GRPOModule.configure_model): open the index, probe the server.
