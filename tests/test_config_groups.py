@@ -286,3 +286,15 @@ def test_optim_config_checks_its_fields():
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             OptimConfig(**{field: bad})
     assert json.dumps(OptimConfig().warmup(100)) == "0" and OptimConfig(warmup_ratio=0.25).warmup(100) == 25
+
+
+def test_the_configuration_page_documents_every_field_of_both_groups():
+    import dataclasses
+
+    from lldslight.optim import OptimConfig
+    from lldslight.update import UpdateConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for group, cls in (("update", UpdateConfig), ("optim", OptimConfig)):
+        for f in dataclasses.fields(cls):
+            assert f"| `model.{group}.{f.name}` |" in page, f"docs/configuration.md: model.{group}.{f.name}"
