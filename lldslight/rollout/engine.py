@@ -50,7 +50,7 @@ from lldslight.trajectory import Trajectory
 from .cache import _Decoder
 from .episode import Episode, EpisodeRules
 from .layout import Layout
-from .protocol import eos_ids, prompt_token_ids
+from .protocol import prompt_token_ids
 
 
 @dataclass
@@ -141,8 +141,7 @@ class RolloutEngine:
         self.reward_fn = reward_fn
         self.config = config
         self.rules = EpisodeRules(tokenizer, config, reward_fn)
-        self.eos_ids = eos_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.eos_ids, self.pad_id = self.rules.eos_ids, self.rules.pad_id
         self.stats: dict[str, float] = {}
 
     @torch.no_grad()
@@ -160,7 +159,7 @@ class RolloutEngine:
                 rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
             model.train(was_training)
-        return self.rules.to_trajectory(rows, self.pad_id, next(model.parameters()).device)
+        return self.rules.to_trajectory(rows, next(model.parameters()).device)
 
     # -- decoding -------------------------------------------------------------------------------
 

@@ -62,7 +62,9 @@ class EpisodeRules:
         self.tokenizer = tokenizer
         self.config = config
         self.reward = RewardCaller(reward_fn)
-        self.eos = frozenset(eos_ids(tokenizer))
+        self.eos_ids = eos_ids(tokenizer)
+        self.eos = frozenset(self.eos_ids)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     # -- a turn -----------------------------------------------------------------------------------
 
@@ -134,8 +136,8 @@ class EpisodeRules:
 
     # -- packing and scoring ----------------------------------------------------------------------
 
-    def to_trajectory(self, episodes: list[Episode], pad_id: int, device: torch.device) -> Trajectory:
-        packed = pack([ep.layout for ep in episodes], pad_id)
+    def to_trajectory(self, episodes: list[Episode], device: torch.device) -> Trajectory:
+        packed = pack([ep.layout for ep in episodes], self.pad_id)
         B, T = packed["input_ids"].shape
         answer_mask = torch.zeros((B, T), dtype=torch.bool)  # [B, T]: the final answer's tokens
         sample_logp = torch.zeros((B, T), dtype=torch.float32)  # [B, T]: log-probs as sampled, on model tokens
