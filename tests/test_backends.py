@@ -202,3 +202,27 @@ def test_the_trajectory_table_logs_per_turn_rows_to_tensorboard(protocol_model, 
             if turn.query is not None:
                 assert f"| {turn.query} |" in text
     assert text == "\n".join(table.written[0].read_text().splitlines()[2:])
+
+
+@pytest.mark.slow
+def test_a_fit_runs_with_the_reference_backend_chosen_in_yaml(tmp_path, monkeypatch):
+    """configs/tiny.yaml with ``backend: lldslight.rollout.HFGenerate``: a training step and the
+    evaluation after it, through the real CLI."""
+    import csv
+
+    import yaml
+
+    from lldslight.cli import main
+    from tests.conftest import ROOT
+
+    config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    rollout = config["trainer"]["callbacks"][0]
+    assert rollout["class_path"] == "lldslight.callbacks.SearchRollout"
+    rollout["init_args"].update(backend="lldslight.rollout.HFGenerate", eval_after_fit=True)
+    config["trainer"]["callbacks"] = [rollout]
+    (tmp_path / "hf.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(tmp_path / "hf.yaml"), "--trainer.max_steps", "1"]) == 0  # data: relative, under tmp_path
+    with open(tmp_path / "runs" / "tiny" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["train/reward"] for r in rows if r.get("train/reward")] and any(r.get("val_after/em") for r in rows)
