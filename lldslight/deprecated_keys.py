@@ -17,11 +17,17 @@ from typing import Any, Mapping
 from lldslight.optim import OptimConfig
 from lldslight.update import UpdateConfig
 
-# flat key -> its group ("optim" or "update"); the field keeps the key's name
-GROUP_OF: dict[str, str] = {
-    **{f.name: "optim" for f in dataclasses.fields(OptimConfig)},
-    **{f.name: "update" for f in dataclasses.fields(UpdateConfig)},
-}
+# The flat keys of the release before the groups, frozen: a field added to a group later has only
+# its group's key. Each moved to the group of the same field name.
+FLAT_KEYS = (
+    "lr", "weight_decay", "betas", "warmup_steps", "warmup_ratio", "optimizer",
+    "updates_per_rollout", "micro_batch_size", "micro_batch_tokens", "reuse_onpolicy_logp", "old_logp_source", "clip_eps",
+    "clip_eps_high", "ratio_clamp", "aggregation", "normalize_adv_std", "kl_coef", "kl_estimator", "entropy_coef",
+    "grad_clip", "shuffle_minibatches", "minibatch_grouping", "negative_advantages",
+)
+_OPTIM = {f.name for f in dataclasses.fields(OptimConfig)}
+# flat key -> its group ("optim" or "update")
+GROUP_OF: dict[str, str] = {key: "optim" if key in _OPTIM else "update" for key in FLAT_KEYS}
 
 
 def new_key(flat: str) -> str:

@@ -1,12 +1,13 @@
 """GRPOModule: the policy and its frozen reference, orchestrated for GRPO (docs/architecture.md, One training step).
 
-This file sets up the models, the optimiser and the checkpoint state, and logs; the updates
+This file sets up the models, the optimiser (optim.py) and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
 optimiser step) read top to bottom in update.py, and the formulas live in objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
 gradient-spike guard); see update.py for the contracts. GRPOModule is update.py's ``Learner``
-(what an update needs from the model) and builds the update's settings, ``update.UpdateConfig``,
-from its hyper-parameters once: ``self.update_config``, which callbacks read too.
+(what an update needs from the model) and takes the update's settings whole, an
+``update.UpdateConfig`` (``model.update``): ``self.update_config``, which callbacks read too; the
+optimiser's are an ``optim.OptimConfig`` (``model.optim``): ``self.optim_config``.
 
 The rollout callback hands its trajectories over through one method, :meth:`GRPOModule.receive_rollout`;
 every attribute a callback may set or read is declared, typed, in ``__init__``.

@@ -58,9 +58,9 @@ class OptimConfig:
         return int(round(self.warmup_ratio * max(max_steps, 0)))
 
 
-def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, max_steps: int):
-    """(optimizer, LambdaLR scheduler) for ``params``: the rate ramps linearly to ``config.lr`` over
-    the warm-up, then stays. The scheduler steps once per training step (update.train_on_rollout)."""
+def build_optimizer(params: list, config: OptimConfig, max_steps: int):
+    """(optimizer, LambdaLR scheduler) for ``params`` (parameters, or torch's parameter-group
+    dicts): the rate ramps linearly to ``config.lr`` over the warm-up, then stays. The scheduler steps once per training step (update.train_on_rollout)."""
     if config.optimizer == "adamw8bit":
         from lldslight.policy import require_bitsandbytes
 

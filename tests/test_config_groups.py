@@ -232,7 +232,8 @@ def _warmed(lr: float, steps: int, warmup: int = 4):
     from lldslight.optim import OptimConfig, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-    optimizer, scheduler = build_optimizer(params, OptimConfig(lr=lr, warmup_steps=warmup, weight_decay=0.0), max_steps=0)
+    groups = [{"params": [params[0]]}, {"params": [params[1]]}]  # two parameter groups
+    optimizer, scheduler = build_optimizer(groups, OptimConfig(lr=lr, warmup_steps=warmup, weight_decay=0.0), max_steps=0)
     for _ in range(steps):
         for p in params:
             p.grad = torch.ones_like(p)
