@@ -141,8 +141,17 @@ class RolloutEngine:
         self.reward_fn = reward_fn
         self.config = config
         self.rules = EpisodeRules(tokenizer, config, reward_fn)
-        self.eos_ids, self.pad_id = self.rules.eos_ids, self.rules.pad_id
+        self.pad_id = self.rules.pad_id
         self.stats: dict[str, float] = {}
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The token ids that end a turn (the rules'); settable (a test ends turns on more ids)."""
+        return self.rules.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: list[int]) -> None:
+        self.rules.eos_ids, self.rules.eos = list(ids), frozenset(ids)
 
     @torch.no_grad()
     def generate(self, model: nn.Module, examples: list[QAExample], group_size: Optional[int] = None, greedy: Optional[bool] = None) -> Trajectory:
