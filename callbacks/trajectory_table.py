@@ -1,8 +1,11 @@
 """A worked example of a user callback: a table of sample trajectories every N steps.
 
 It reads what GRPOModule exposes after each step (``pl_module.last_rollout``, a Trajectory) and
-writes a markdown file per logged step: question, gold answers, the searches the model issued,
-its answer, reward and advantage. Plug it in from YAML:
+writes a markdown file per logged step: a row per trajectory (question, gold answers, the searches
+the model issued, its answer, reward and advantage), then a row per turn (the action the model
+wrote, its search query, the start of the observation that came back; ``Trajectory.turns``). With
+a TensorBoardLogger the same tables go to TensorBoard's text tab (``trajectories``, at the step).
+Plug it in from YAML:
 
     trainer:
       callbacks+:
@@ -11,13 +14,10 @@ its answer, reward and advantage. Plug it in from YAML:
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
 import lightning.pytorch as pl
-
-_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
 class TrajectoryTable(pl.Callback):
@@ -46,30 +46,40 @@ class TrajectoryTable(pl.Callback):
             return
         out = Path(self.out_dir or Path(trainer.log_dir or ".") / "trajectories")
         out.mkdir(parents=True, exist_ok=True)
-        lines = [
-            f"# Trajectories at step {step}",
-            "",
-            "| # | question | gold | searches | answer | reward | advantage | finish |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for i in self._pick(traj):
-            # the model's own text: a retrieved passage may contain any tag
-            searches = [s.strip() for s in _SEARCH.findall(traj.model_texts[i])]
-            adv = float(traj.advantage[i]) if traj.advantage is not None else float("nan")
-            cells = [
-                str(i),
-                traj.questions[i],
-                " / ".join(traj.golden_answers[i]),
-                " ; ".join(searches) or "-",
-                traj.answers[i] or "-",
-                f"{float(traj.reward[i]):.2f}",
-                f"{adv:+.2f}",
-                traj.finish_reason[i],
-            ]
-            lines.append("| " + " | ".join(self._cell(c) for c in cells) + " |")
+        picked = self._pick(traj)
+        lines = [f"# Trajectories at step {step}", "", *self.trajectory_rows(traj, picked), "", "## Turns", "",
+                 *self.turn_rows(traj, picked, pl_module.tokenizer)]
         path = out / f"step_{step:06d}.md"
         path.write_text("\n".join(lines) + "\n")
         self.written.append(path)
+        for logger in trainer.loggers:
+            if isinstance(logger, pl.loggers.TensorBoardLogger):  # its text tab renders markdown tables
+                logger.experiment.add_text("trajectories", "\n".join(lines[2:]), step)
+
+    def trajectory_rows(self, traj, picked: list[int]) -> list[str]:
+        """A markdown table, a row per picked trajectory."""
+        lines = ["| # | question | gold | searches | answer | reward | advantage | finish |", "|---|---|---|---|---|---|---|---|"]
+        for i in picked:
+            searches = [t.query for t in traj.turns[i] if t.query is not None]  # the queries the model wrote
+            adv = float(traj.advantage[i]) if traj.advantage is not None else float("nan")
+            cells = [str(i), traj.questions[i], " / ".join(traj.golden_answers[i]), " ; ".join(searches) or "-",
+                     traj.answers[i] or "-", f"{float(traj.reward[i]):.2f}", f"{adv:+.2f}", traj.finish_reason[i]]
+            lines.append("| " + " | ".join(self._cell(c) for c in cells) + " |")
+        return lines
+
+    def turn_rows(self, traj, picked: list[int], tokenizer) -> list[str]:
+        """A markdown table, a row per turn of each picked trajectory: the action, its query, and
+        the observation that followed (decoded from its span of the row's tokens)."""
+        lines = ["| # | turn | action | query | observation |", "|---|---|---|---|---|"]
+        for i in picked:
+            for n, turn in enumerate(traj.turns[i]):
+                observation = "-"
+                if turn.observation_span is not None:
+                    start, end = turn.observation_span
+                    observation = tokenizer.decode(traj.input_ids[i, start:end].tolist(), skip_special_tokens=True)
+                cells = [str(i), str(n), turn.action, turn.query or "-", observation]
+                lines.append("| " + " | ".join(self._cell(c) for c in cells) + " |")
+        return lines
 
     def _pick(self, traj) -> list[int]:
         """One rollout per group first, so the table shows different questions."""

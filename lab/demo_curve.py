@@ -5,7 +5,7 @@ entropy in blocks of steps.
 The run (about 48 min on one thread of this project's 2-core CPU, shared with two lab runs):
 
     lldslight fit --config configs/demo.yaml --model.policy.model .lldslight/demo_warmstart \\
-        --model.lr 5e-4 --trainer.max_steps 60 --trainer.val_check_interval 10 \\
+        --model.optim.lr 5e-4 --trainer.max_steps 60 --trainer.val_check_interval 10 \\
         --trainer.check_val_every_n_epoch null --trainer.num_sanity_val_steps 0 \\
         --trainer.logger.init_args.name demo_curve_lr5e-4
 

@@ -95,7 +95,7 @@ def _cli_class():
             parser.add_argument(
                 "--resume_override", type=Optional[str], default=None,
                 help="With --ckpt_path: model settings to take from your config and command line instead of the "
-                     "checkpoint's saved ones: comma-separated keys (e.g. model.lr,model.clip_eps) or 'all'. "
+                     "checkpoint's saved ones: comma-separated keys (e.g. model.optim.lr,model.update.clip_eps) or 'all'. "
                      "Without it a resume is exact: the checkpoint's settings win, and every one that differs "
                      "from yours is listed in one line at start (docs/errors_and_resume.md).")
             parser.add_argument(
@@ -105,6 +105,7 @@ def _cli_class():
 
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
+            fold_flat_keys(self.config, announce=True)
             # Before LightningCLI reads the checkpoint's hyper-parameters (a corrupt file would end
             # there in a zip-reader traceback).
             if self.config.get("subcommand"):
@@ -121,6 +122,7 @@ def _cli_class():
             yours = self.config[sub].get("model")
             yours = yours.clone() if yours is not None else None
             super()._parse_ckpt_path()
+            fold_flat_keys(self.config, announce=False)  # a checkpoint written before the groups: its flat keys
             self.resume = resume_settings(self.config, sub, yours)
 
         def _run_subcommand(self, subcommand: str) -> None:
@@ -183,6 +185,27 @@ def _instantiation_error(err: Exception) -> Exception:
         hint = " (TensorBoardLogger: pip install -e '.[tensorboard]' in your lldslight clone)" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
+
+
+def fold_flat_keys(config: Any, announce: bool) -> None:
+    """Move the deprecated flat model keys of the parsed ``config`` (``model.lr``, ...) into their
+    groups (``model.optim.lr``, ...), leaving them null, so that the module, the saved config and a
+    resume's comparison see the groups only; ``announce``: one line per key (lldslight/deprecated_keys.py).
+    A flat key wins over its group's field: it was written on purpose (a lab's ``-- --model.lr``)."""
+    from lldslight import deprecated_keys
+
+    sub = config.get("subcommand")
+    prefix = f"{sub}.model" if sub else "model"
+    if config.get(prefix) is None:
+        return
+    for key in deprecated_keys.GROUP_OF:
+        value = config.get(f"{prefix}.{key}")
+        if value is None:
+            continue
+        config[f"{prefix}.{deprecated_keys.GROUP_OF[key]}.{key}"] = value
+        config[f"{prefix}.{key}"] = None
+        if announce:
+            deprecated_keys.announce(key)
 
 
 # -- resume: what the checkpoint's settings changed ----------------------------------------------
@@ -266,14 +289,19 @@ def _override_keys(value: Optional[str], known: set[str]) -> Optional[set[str]]:
     text = str(value).strip()
     if text.lower() in ("all", "true"):
         return None
+    from lldslight import deprecated_keys
+
     keys = set()
     for raw in text.split(","):
         key = raw.strip().removeprefix("model.")
         if not key:
             continue
+        if key in deprecated_keys.GROUP_OF:
+            deprecated_keys.announce(key)
+            key = deprecated_keys.new_key(key).removeprefix("model.")
         if not any(key == k or k.startswith(key + ".") for k in known):
             raise ConfigError(f"--resume_override: {raw.strip()!r} is not a model setting (give keys such as "
-                              "model.lr, model.policy.lora.r, comma-separated, or 'all')")
+                              "model.optim.lr, model.policy.lora.r, comma-separated, or 'all')")
         keys.add(key)
     return keys
 

@@ -236,7 +236,7 @@ def gradient_sync(pl_module: Any, enabled: bool) -> Iterator[None]:
 def data_parallel_mesh(mesh: Any, micro_batch_tokens: Optional[int], optimizer: str) -> Any:
     """The data-parallel mesh to shard the policy over with FSDP2, from the one Lightning's
     ModelParallelStrategy gives the module (None under DDP or on one device: no sharding). Refuses
-    the settings sharding cannot serve (``model.micro_batch_tokens``, ``model.optimizer``), before
+    the settings sharding cannot serve (``model.update.micro_batch_tokens``, ``model.optim.optimizer``), before
     the model is loaded."""
     if mesh is None:
         return None
@@ -245,11 +245,11 @@ def data_parallel_mesh(mesh: Any, micro_batch_tokens: Optional[int], optimizer: 
     require(tp <= 1, "ModelParallelStrategy.tensor_parallel_size", "1 (lldslight shards with FSDP2 over data "
             "parallelism only)", tp, "use lldslight.distributed.FSDP2Strategy, or set data_parallel_size to the "
             "number of processes and tensor_parallel_size: 1")
-    require(not micro_batch_tokens, "model.micro_batch_tokens", "null under FSDP2 (use "
-            "model.micro_batch_size; packing works under strategy: ddp)", micro_batch_tokens,
+    require(not micro_batch_tokens, "model.update.micro_batch_tokens", "null under FSDP2 (use "
+            "model.update.micro_batch_size; packing works under strategy: ddp)", micro_batch_tokens,
             "it packs each process's rows on its own, and under FSDP2 every forward is a collective that needs "
             "the same number of micro-batches on every rank")
-    require(optimizer != "adamw8bit", "model.optimizer", "adamw under FSDP2 (or strategy: ddp "
+    require(optimizer != "adamw8bit", "model.optim.optimizer", "adamw under FSDP2 (or strategy: ddp "
             "for 8-bit AdamW)", optimizer, "bitsandbytes cannot step FSDP2's sharded DTensor parameters")
     return mesh["data_parallel"] if "data_parallel" in names else mesh
 

@@ -1,12 +1,13 @@
 """GRPOModule: the policy and its frozen reference, orchestrated for GRPO (docs/architecture.md, One training step).
 
-This file sets up the models, the optimiser and the checkpoint state, and logs; the updates
+This file sets up the models, the optimiser (optim.py) and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
 optimiser step) read top to bottom in update.py, and the formulas live in objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
 gradient-spike guard); see update.py for the contracts. GRPOModule is update.py's ``Learner``
-(what an update needs from the model) and builds the update's settings, ``update.UpdateConfig``,
-from its hyper-parameters once: ``self.update_config``, which callbacks read too.
+(what an update needs from the model) and takes the update's settings whole, an
+``update.UpdateConfig`` (``model.update``): ``self.update_config``, which callbacks read too; the
+optimiser's are an ``optim.OptimConfig`` (``model.optim``): ``self.optim_config``.
 
 The rollout callback hands its trajectories over through one method, :meth:`GRPOModule.receive_rollout`;
 every attribute a callback may set or read is declared, typed, in ``__init__``.
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import evaluation
+from lldslight import deprecated_keys, evaluation
 from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
@@ -38,149 +39,100 @@ from lldslight.distributed import (
 from lldslight.errors import require
 from lldslight.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, require_bitsandbytes, resolve_precision
+from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, resolve_precision
 from lldslight.preflight import check_policy
 from lldslight.metric_rules import reduction
+from lldslight.optim import OptimConfig, OptimizerName, build_optimizer, set_learning_rate
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
+from lldslight.update import MinibatchGrouping, OldLogpSource
 
-_U = UpdateConfig  # the update's settings take their defaults from UpdateConfig (defined once, there)
-Optimizer = Literal["adamw", "adamw8bit"]
 RolloutStage = Literal["train", "eval"]
 
 
 class GRPOModule(pl.LightningModule):
     """GRPO on search trajectories; update.py's ``Learner``.
 
-    The settings the update reads (``updates_per_rollout`` ... ``negative_advantages`` below, but
-    not the optimiser's or the log-probs') form ``self.update_config`` (update.UpdateConfig), built
-    once here; their defaults are UpdateConfig's.
+    Its settings come in groups, each a typed dataclass taken whole (``model.<group>.<field>`` in
+    YAML; every field documented in docs/configuration.md and by ``lldslight fit --help``): a field
+    added to a group appears in YAML with no code here.
 
     Args:
-        policy: which model, LoRA, dtype, checkpointing.
-        lr: AdamW learning rate (paper: 1e-6 full fine-tuning; LoRA wants ~1e-5..1e-4).
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warm-up length in training steps; None uses ``warmup_ratio``.
-        warmup_ratio: warm-up as a fraction of ``trainer.max_steps`` (paper: 0.285).
-        grad_clip: max total gradient norm (0 = no clipping).
-        optimizer: "adamw" or "adamw8bit" (bitsandbytes' 8-bit AdamW, CPU or GPU).
-        updates_per_rollout: mini-batches (optimiser updates) per rollout batch; the first is
-            on-policy, the rest are increasingly off-policy (LLDS needs >= 2).
-        micro_batch_size: rollouts per forward/backward; gradients accumulate over a mini-batch.
-        micro_batch_tokens: when set, micro-batches are packed by a token budget instead: rows
-            sorted by length, as many per micro-batch as fit in ``rows x longest row <= budget``
-            (a longer row goes alone). Less padding, same gradient (every loss term is normalised
-            by mini-batch totals). Each process packs its own rows under DDP; refused under FSDP2,
-            whose forwards are collectives that need the same micro-batch count on every rank.
-        old_logp_source: "recompute" runs a forward pass for pi_old's log-probs (veRL's way);
-            "rollout" takes the log-probs the sampler computed while generating (identical weights
-            and temperature; they agree to ~1e-5 in fp32, tested) and saves that pass. fp32 only:
-            in bf16 the sampler's and the trainer's forwards round differently, the on-policy
-            ratio would not be 1 (refused; ``rollout/logp_mismatch`` shows by how much).
-        reuse_onpolicy_logp: the first mini-batch's update runs on the weights that sampled the
-            rollouts, so its old log-probs are its own log-probs, detached: skip their separate
-            no-grad pass (with ``updates_per_rollout: 1``, the whole pass). False computes them all
-            up front, as before.
-        clip_eps: PPO clip epsilon (lower side).
-        clip_eps_high: upper clip epsilon (None = clip_eps; larger values = "clip-higher").
-        ratio_clamp: cap the importance ratio at this value before the PPO clip (None = no cap, as
-            in the paper and Search-R1; the official LLDS code, verl/trainer/ppo/core_algos.py
-            ``compute_policy_loss``, caps it at 100). Bounds the loss of a token whose ratio
-            exploded with A < 0 and zeroes its gradient.
-        aggregation: "seq-mean-token-mean" (paper: each response's token mean, summed, divided by
-            the mini-batch's responses) or "token-mean" (official code: token sum divided by the
-            mini-batch's model tokens).
-        normalize_adv_std: divide group-centred rewards by the group std.
-        kl_coef: KL-to-reference coefficient; 0 skips the reference forward entirely.
-        kl_estimator: "k3" (low-variance, default) or "k1".
-        entropy_coef: entropy bonus (official code 0.001; veRL later judged it harmful).
+        policy: which model, LoRA, precision, checkpointing (policy.PolicyConfig).
+        update: what one rollout batch's updates do: mini- and micro-batches, the PPO clip, KL,
+            entropy, gradient clipping, ... (update.UpdateConfig; ``self.update_config``).
+        optim: the optimiser and its warm-up: learning rate, betas, weight decay, ...
+            (optim.OptimConfig; ``self.optim_config``).
         logprob_temperature: temperature applied to logits for training log-probs; keep it equal
             to the sampling temperature so the first update is exactly on-policy.
         logprob_chunk_size: positions per vocabulary-projection chunk; null sizes a chunk's fp32 logits
             to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
-        shuffle_minibatches: shuffle rollouts before splitting into mini-batches.
-        minibatch_grouping: "rows" splits the (shuffled) rollouts into mini-batches; "prompts"
-            keeps each prompt's G rollouts together (whole groups are shuffled, then split), so an
-            update sees a group's right and wrong answers side by side: their gradients on shared
-            tokens cancel inside one update instead of across updates (the "cancellation" argument
-            of arXiv 2605.08666). Off by default, as in Search-R1 and the paper.
-        negative_advantages: a control for the collapse lab, not a recipe: "keep" (GRPO);
-            "drop" zeroes the policy gradient of rows with A < 0 (positive-only GRPO: are negative
-            gradients necessary for the collapse, the paper's Theorem 4.2?); "unshared" zeroes it
-            only on A < 0 tokens inside the longest prefix shared with a correct (A > 0) rollout
-            of the same group (the paper's specific LLD route; NTHR, arXiv 2505.18830, is related).
-            Normalisers are unchanged (zeroed tokens still count).
-        target_kl: the drift bound: once a mini-batch's KL(pi_old || pi_theta), measured before its
-            step (``drift/kl_k3``), passes ``target_kl_factor x target_kl``, that update and the rollout
-            batch's remaining ones are skipped (Stable-Baselines3's ``target_kl``; docs/stability.md).
-            None = off.
-        target_kl_factor: the multiple of ``target_kl`` that stops the updates (1.5, as SB3).
-        shared_prefix: encode the prompt a group's rows share once per micro-batch, in every update
-            forward (pi_old's and the reference's log-probs, the training forward and backward,
-            LLDMonitor's): the rows run as one packed sequence, the prefix's self-attention and each
-            row's attention over prefix + own tokens computed apart (Prefix Grouper, arXiv
-            2506.05433; lldslight/shared_prefix.py). The same log-probs and gradients (tested to
-            fp32 rounding); micro-batches keep a group's rows together, a token budget counts a
-            shared prefix once. Runs the plain forward where it cannot apply (attention other than
-            sdpa, sliding windows, no repeated prefix). False: every row in full.
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
+        lr: deprecated, one release: each flat key from ``lr`` on is now ``model.optim.<key>`` or
+            ``model.update.<key>`` (lldslight/deprecated_keys.py); where given it wins over the
+            group's field, with one line naming the new key.
     """
 
     def __init__(
         self,
         policy: PolicyConfig = PolicyConfig(),
-        lr: float = 1e-6,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: Optional[int] = None,
-        warmup_ratio: float = 0.0,
-        grad_clip: float = _U.grad_clip,
-        optimizer: Optimizer = "adamw",
-        updates_per_rollout: int = _U.updates_per_rollout,
-        micro_batch_size: int = _U.micro_batch_size,
-        micro_batch_tokens: Optional[int] = _U.micro_batch_tokens,
-        reuse_onpolicy_logp: bool = _U.reuse_onpolicy_logp,
-        old_logp_source: update.OldLogpSource = _U.old_logp_source,
-        clip_eps: float = _U.clip_eps,
-        clip_eps_high: Optional[float] = _U.clip_eps_high,
-        ratio_clamp: Optional[float] = _U.ratio_clamp,
-        aggregation: obj.Aggregation = _U.aggregation,
-        normalize_adv_std: bool = _U.normalize_adv_std,
-        kl_coef: float = _U.kl_coef,
-        kl_estimator: obj.KLEstimator = _U.kl_estimator,
-        entropy_coef: float = _U.entropy_coef,
+        update: UpdateConfig = UpdateConfig(),
+        optim: OptimConfig = OptimConfig(),
         logprob_temperature: float = 1.0,
         logprob_chunk_size: Optional[int] = None,
-        shuffle_minibatches: bool = _U.shuffle_minibatches,
-        minibatch_grouping: update.MinibatchGrouping = _U.minibatch_grouping,
-        negative_advantages: obj.NegativeAdvantages = _U.negative_advantages,
-        target_kl: Optional[float] = _U.target_kl,
-        target_kl_factor: float = _U.target_kl_factor,
-        shared_prefix: bool = _U.shared_prefix,
         fsdp: FSDPConfig = FSDPConfig(),
+        # Deprecated flat keys (one release): model.optim.<key> ...
+        lr: Optional[float] = None,
+        weight_decay: Optional[float] = None,
+        betas: Optional[tuple[float, float]] = None,
+        warmup_steps: Optional[int] = None,
+        warmup_ratio: Optional[float] = None,
+        optimizer: Optional[OptimizerName] = None,
+        # ... and model.update.<key>
+        updates_per_rollout: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        micro_batch_tokens: Optional[int] = None,
+        reuse_onpolicy_logp: Optional[bool] = None,
+        old_logp_source: Optional[OldLogpSource] = None,
+        clip_eps: Optional[float] = None,
+        clip_eps_high: Optional[float] = None,
+        ratio_clamp: Optional[float] = None,
+        aggregation: Optional[obj.Aggregation] = None,
+        normalize_adv_std: Optional[bool] = None,
+        kl_coef: Optional[float] = None,
+        kl_estimator: Optional[obj.KLEstimator] = None,
+        entropy_coef: Optional[float] = None,
+        grad_clip: Optional[float] = None,
+        shuffle_minibatches: Optional[bool] = None,
+        minibatch_grouping: Optional[MinibatchGrouping] = None,
+        negative_advantages: Optional[obj.NegativeAdvantages] = None,
     ) -> None:
+        given = dict(locals())
         super().__init__()
         self.save_hyperparameters()
-        require(lr > 0, "model.lr", "> 0", lr)
-        require(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
-        require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "model.betas", "two numbers in [0, 1)", betas)
-        require(warmup_steps is None or warmup_steps >= 0, "model.warmup_steps", ">= 0 or null", warmup_steps)
-        require(0 <= warmup_ratio <= 1, "model.warmup_ratio", "in [0, 1]", warmup_ratio)
         require(0 < logprob_temperature < math.inf, "model.logprob_temperature", "> 0 and finite", logprob_temperature)
-        require(optimizer in get_args(Optimizer), "model.optimizer", f"one of {get_args(Optimizer)}", optimizer)
-        # The update's settings, typed; UpdateConfig checks their ranges (the same "model.<key>" messages).
-        self.update_config: UpdateConfig = UpdateConfig(**{f.name: self.hparams[f.name] for f in dataclasses.fields(UpdateConfig)})
-        if old_logp_source == "rollout" and policy.precision != "fp32":
+        flat = {key: value for key, value in given.items() if key in deprecated_keys.GROUP_OF}
+        # The groups, with the deprecated flat keys given written into them (one line each). A group
+        # checks its own ranges when it is built ("model.update.<key> must be ..."); from YAML, a
+        # mapping here is built now.
+        update, optim = deprecated_keys.fold(flat, _built(UpdateConfig, update), _built(OptimConfig, optim))
+        self.update_config: UpdateConfig = update
+        self.optim_config: OptimConfig = optim
+        if any(value is not None for value in flat.values()):
+            # Saved with checkpoints in the groups' form only: a flat key left beside its group
+            # would win over a later change of the group's field (reconfigure_update) on resume.
+            self.hparams.update({"update": update, "optim": optim, **dict.fromkeys(flat)})
+        if update.old_logp_source == "rollout" and policy.precision != "fp32":
             arith = resolve_precision(policy)  # "auto" asks the hardware now (cheap), so this fails before loading
-            require(arith.precision == "fp32", "model.old_logp_source", "'recompute' under policy.precision "
-                    f"{policy.precision}{' -> ' + arith.precision if policy.precision == 'auto' else ''}", old_logp_source,
+            require(arith.precision == "fp32", "model.update.old_logp_source", "'recompute' under policy.precision "
+                    f"{policy.precision}{' -> ' + arith.precision if policy.precision == 'auto' else ''}", update.old_logp_source,
                     "the sampler's and the trainer's bf16 forwards round differently, so the on-policy ratio would not be 1; "
                     "'recompute' costs no forward for the on-policy mini-batch (reuse_onpolicy_logp)")
         self.policy_config = policy
         self.fsdp_config = fsdp
         self.logprob_temperature: float = logprob_temperature  # of the training log-probs (SearchRollout checks the sampler's)
+        self.logprob_chunk_size: Optional[int] = logprob_chunk_size
         self.automatic_optimization = False
         # Checkpoints hold only trainable weights (the adapter under LoRA): loading is non-strict.
         self.strict_loading = False
@@ -214,9 +166,10 @@ class GRPOModule(pl.LightningModule):
         precision = str(getattr(self.trainer, "precision", "32-true"))
         require(precision in ("32-true", "32", "64-true", "64"), "trainer.precision", "'32-true' (set model.policy.precision "
                 "instead: it applies to sampling and training alike)", precision)
-        if stage == "fit" and self.hparams.warmup_steps is None and self.hparams.warmup_ratio > 0:
-            require(self.trainer.max_steps > 0, "trainer.max_steps", "> 0 with model.warmup_ratio > 0 (or set "
-                    "model.warmup_steps)", self.trainer.max_steps, "the warm-up is a fraction of max_steps")
+        optim = self.optim_config
+        if stage == "fit" and optim.warmup_steps is None and optim.warmup_ratio > 0:
+            require(self.trainer.max_steps > 0, "trainer.max_steps", "> 0 with model.optim.warmup_ratio > 0 (or set "
+                    "model.optim.warmup_steps)", self.trainer.max_steps, "the warm-up is a fraction of max_steps")
         if self.policy is None:
             check_policy(self.policy_config)
 
@@ -229,7 +182,7 @@ class GRPOModule(pl.LightningModule):
         if self._trainer is not None:
             fsdp2_strategy_check(self._trainer.strategy)
         # FSDP2 (ModelParallelStrategy), else None
-        mesh = data_parallel_mesh(self.device_mesh, micro_batch_tokens=self.update_config.micro_batch_tokens, optimizer=self.hparams.optimizer)
+        mesh = data_parallel_mesh(self.device_mesh, micro_batch_tokens=self.update_config.micro_batch_tokens, optimizer=self.optim_config.optimizer)
         if mesh is not None:
             shard_policy(self.policy, mesh, self.fsdp_config)
         if not has_adapter(self.policy) and self.update_config.kl_coef > 0:
@@ -269,8 +222,8 @@ class GRPOModule(pl.LightningModule):
         """Change update settings mid-run (Heal's remedies: ``updates_per_rollout``, ``kl_coef``):
         ``update_config`` (checked again) and the hyper-parameters saved in checkpoints alike."""
         self.update_config = dataclasses.replace(self.update_config, **changes)
-        for key, value in changes.items():
-            self.hparams[key] = value
+        saved = self.hparams["update"]  # a mapping under LightningCLI (its config), else the UpdateConfig given
+        self.hparams["update"] = {**saved, **dataclasses.asdict(self.update_config)} if isinstance(saved, Mapping) else self.update_config
 
     def receive_rollout(
         self, trajectory: Trajectory, stage: RolloutStage = "train", timings: Optional[Mapping[str, float]] = None
@@ -288,21 +241,8 @@ class GRPOModule(pl.LightningModule):
             self.timings.update(timings)
 
     def configure_optimizers(self):
-        params = self.trainable_parameters()
-        hp = self.hparams
-        if hp.optimizer == "adamw8bit":
-            bnb = require_bitsandbytes("model.optimizer: adamw8bit")
-            optimizer = bnb.optim.AdamW8bit(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
-        else:
-            optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
-        warmup = hp.warmup_steps
-        if warmup is None:
-            max_steps = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else 0
-            warmup = int(round(hp.warmup_ratio * max_steps))
-        warmup = max(int(warmup), 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        max_steps = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else 0
+        optimizer, scheduler = build_optimizer(self.trainable_parameters(), self.optim_config, max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- log-probs ----------------------------------------------------------------------------------
@@ -319,7 +259,7 @@ class GRPOModule(pl.LightningModule):
                 traj.input_ids,
                 traj.attention_mask,
                 traj.loss_mask,
-                chunk_size=self.hparams.logprob_chunk_size,
+                chunk_size=self.logprob_chunk_size,
                 temperature=self.logprob_temperature,
                 with_entropy=with_entropy,
                 entropy_grad=bool(self.update_config.entropy_coef),  # else the entropy is a logged diagnostic only
@@ -434,29 +374,21 @@ class GRPOModule(pl.LightningModule):
         saved, self._saved_hparams = getattr(self, "_saved_hparams", None), None
         if not saved:
             return
-        hp = self.hparams
-        changed = {k for k in ("lr", "betas", "weight_decay") if k in saved and list(_as_tuple(saved[k])) != list(_as_tuple(hp[k]))}
+        before = OptimConfig(**deprecated_keys.nested(saved)["optim"])  # an old checkpoint's flat keys too
+        optim = self.optim_config
+        changed = {k for k in ("lr", "betas", "weight_decay") if getattr(before, k) != getattr(optim, k)}
         if not changed:
             return
         optimizer = self.optimizers(use_pl_optimizer=False)
         for group in optimizer.param_groups:
             if "betas" in changed:
-                group["betas"] = tuple(hp.betas)
+                group["betas"] = optim.betas
             if "weight_decay" in changed:
-                group["weight_decay"] = hp.weight_decay
+                group["weight_decay"] = optim.weight_decay
         if "lr" in changed:
-            for config in self.trainer.lr_scheduler_configs:
-                scheduler = config.scheduler
-                scheduler.base_lrs = [hp.lr] * len(scheduler.base_lrs)
-                # What scheduler.step() would have set at this step had the run started with hp.lr.
-                lambdas = getattr(scheduler, "lr_lambdas", [lambda _: 1.0] * len(optimizer.param_groups))
-                for group, fn in zip(optimizer.param_groups, lambdas):
-                    group["initial_lr"] = hp.lr
-                    group["lr"] = hp.lr * fn(scheduler.last_epoch)
-                scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-            if not self.trainer.lr_scheduler_configs:
-                for group in optimizer.param_groups:
-                    group["lr"] = hp.lr
+            schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs] or [None]
+            for scheduler in schedulers:
+                set_learning_rate(optimizer, scheduler, optim.lr)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Start each training step from the RNG state the previous one ended with (restored from the
@@ -508,5 +440,6 @@ class GRPOModule(pl.LightningModule):
             print(f"\n{stage} results ({Path(report).with_suffix('.json')}):\n" + Path(report).read_text(), flush=True)
 
 
-def _as_tuple(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+def _built(cls: type, value: Any) -> Any:
+    """A group's dataclass from an instance, or from a mapping of its fields (hyper-parameters)."""
+    return value if isinstance(value, cls) else cls(**dict(value))

@@ -107,7 +107,7 @@ def policy_gradient_weight(advantage: Tensor, mask: Tensor, mode: NegativeAdvant
     negative gradients necessary for the collapse?); "unshared": A < 0 tokens inside a shared
     prefix (``shared_prefix_negatives``) get weight 0. The normalisers are unchanged: a zeroed
     token still counts in its row's and the mini-batch's totals, so only the gradient changes."""
-    require_choice(mode, "model.negative_advantages", NegativeAdvantages)
+    require_choice(mode, "model.update.negative_advantages", NegativeAdvantages)
     if mode == "keep":
         return None
     if mode == "drop":
@@ -124,7 +124,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: Aggregation, normaliser: float |
     ``normaliser`` = the mini-batch's responses that have model tokens. token-mean (official
     code): the token sum divided by ``normaliser`` = the mini-batch's model tokens.
     """
-    require_choice(mode, "model.aggregation", Aggregation)
+    require_choice(mode, "model.update.aggregation", Aggregation)
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         total = (loss * mask).sum()
@@ -138,7 +138,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
 
     k1: logp - ref. k3 ("low_var_kl"): exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
     """
-    require_choice(estimator, "model.kl_estimator", KLEstimator)
+    require_choice(estimator, "model.update.kl_estimator", KLEstimator)
     if estimator == "k1":
         return logp - ref_logp
     log_ratio = ref_logp - logp  # k3

@@ -1,7 +1,11 @@
 """Answer extraction, SQuAD normalisation, EM/F1 and the pluggable reward (docs/algorithm.md §1).
 
 A reward function is any callable ``(response: str, golden_answers: list[str]) -> float``; a
-config names it by ``class_path`` so users plug their own without touching the library.
+config names it by ``class_path`` so users plug their own without touching the library. A reward
+that also wants the rollout's context declares it by name, as keyword parameters after those two
+(any of ``question``, ``data_source``, ``turns``, or ``**kwargs`` for all; :class:`RewardCaller`
+reads the signature once): ``turns`` is a tuple of trajectory.Turn, each action's text and the
+query it searched for. Rewards with the two-argument signature are called as before.
 
 ``response`` is what the model wrote and nothing else: a :class:`ModelText`, the text of its
 actions (each turn's sampled tokens, decoded without special tokens) concatenated in order, which
@@ -18,10 +22,13 @@ the final answer. The full text with observations stays in ``Trajectory.response
 """
 from __future__ import annotations
 
+import inspect
 import re
 import string
 from collections import Counter
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+from lldslight.errors import ConfigError
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -107,9 +114,46 @@ def f1_score(prediction: str | None, golden_answers: str | list[str]) -> float:
 
 class RewardFn(Protocol):
     """``response``: the model's own text, a :class:`ModelText` (its actions only, see the module
-    docstring); read its answer with :func:`final_answer`."""
+    docstring); read its answer with :func:`final_answer`. A reward may also declare keyword
+    parameters named in :data:`REWARD_CONTEXT` (see :class:`RewardCaller`)."""
 
     def __call__(self, response: str, golden_answers: list[str]) -> float: ...
+
+
+# What a reward may ask for beyond (response, golden_answers): the model's words and the example's
+# own fields, never an observation's text (a turn's observation is a token span, not text).
+REWARD_CONTEXT = ("question", "data_source", "turns")
+
+
+class RewardCaller:
+    """Calls a reward with ``(response, golden_answers)`` and, by keyword, the parts of
+    :data:`REWARD_CONTEXT` its signature names (all of them for ``**kwargs``). The signature is
+    read once, here: a parameter the rollout cannot supply is a configuration error now, not a
+    TypeError at the first step."""
+
+    def __init__(self, fn: Callable[..., float]) -> None:
+        self.fn = fn
+        self.wants = _reward_context(fn)
+
+    def __call__(self, response: str, golden_answers: list[str], **context: Any) -> float:
+        return self.fn(response, golden_answers, **{k: context[k] for k in self.wants})
+
+
+def _reward_context(fn: Callable[..., float]) -> tuple[str, ...]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return REWARD_CONTEXT
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
+    unknown = [p.name for p in rest if p.name not in REWARD_CONTEXT and p.default is p.empty]
+    if unknown or (len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params)):
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        raise ConfigError(f"reward {name}: its parameters must be (response, golden_answers) and, by keyword, any of "
+                          f"{', '.join(REWARD_CONTEXT)}; got {[p.name for p in params]}")
+    return tuple(p.name for p in rest if p.name in REWARD_CONTEXT)
 
 
 class ExactMatchReward:

@@ -8,10 +8,19 @@ the pad token as EOS).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a rollout: what the model wrote, and where the environment's answer to it lies."""
+
+    action: str  # the turn's text as the model wrote it (decoded without special tokens)
+    query: Optional[str]  # the search query the action issued; None for an answer, an invalid action or a last turn
+    observation_span: Optional[tuple[int, int]]  # [start, end) in the row's input_ids of the observation that followed, if any
 
 
 @dataclass
@@ -34,6 +43,7 @@ class Trajectory:
     golden_answers: list[list[str]] = field(default_factory=list)
     model_texts: list[str] = field(default_factory=list)  # the model's actions only: what the reward saw
     answers: list[str | None] = field(default_factory=list)  # the answer of the last action (EM/F1), or None
+    turns: list[list[Turn]] = field(default_factory=list)  # per row, its turns in order (actions, queries, observation spans)
     em: Tensor | None = None  # [B] float
     f1: Tensor | None = None  # [B] float
     sample_logp: Tensor | None = None  # [B, T] log-probs seen while sampling (diagnostics)
@@ -41,7 +51,7 @@ class Trajectory:
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
     old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
-    pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.negative_advantages)
+    pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.update.negative_advantages)
     extras: dict[str, Any] = field(default_factory=dict)  # per-row lists/tensors are sliced by select
 
     def __len__(self) -> int:

@@ -62,10 +62,10 @@ MinibatchGrouping = Literal["rows", "prompts"]
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    """Every setting the update reads (``model.<field>`` in YAML; GRPOModule's Args say more).
+    """Every setting the update reads (``model.update.<field>`` in YAML; docs/configuration.md says more).
 
-    GRPOModule builds one from its hyper-parameters in ``__init__`` and its signature takes its
-    defaults from here. Frozen: a change mid-run (Heal's remedies) goes through
+    GRPOModule takes it whole (its ``update`` argument; a field added here is a YAML key with no
+    other code). Frozen: a change mid-run (Heal's remedies) goes through
     ``GRPOModule.reconfigure_update``, which also updates the hyper-parameters saved in checkpoints.
     """
 
@@ -114,25 +114,25 @@ class UpdateConfig:
     the same log-probs and gradients); micro-batches keep a group's rows together."""
 
     def __post_init__(self) -> None:
-        require(self.grad_clip >= 0, "model.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
-        require(self.clip_eps > 0, "model.clip_eps", "> 0 (PPO's clip range; the paper uses 0.2)", self.clip_eps)
-        require(self.clip_eps_high is None or self.clip_eps_high > 0, "model.clip_eps_high", "> 0 or null (= clip_eps)", self.clip_eps_high)
-        require(self.kl_coef >= 0, "model.kl_coef", ">= 0 (0 = no KL term)", self.kl_coef)
-        require(self.updates_per_rollout >= 1, "model.updates_per_rollout", ">= 1", self.updates_per_rollout)
-        require(self.micro_batch_size >= 1, "model.micro_batch_size", ">= 1", self.micro_batch_size)
-        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "model.micro_batch_tokens", ">= 1 or null",
+        require(self.grad_clip >= 0, "model.update.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
+        require(self.clip_eps > 0, "model.update.clip_eps", "> 0 (PPO's clip range; the paper uses 0.2)", self.clip_eps)
+        require(self.clip_eps_high is None or self.clip_eps_high > 0, "model.update.clip_eps_high", "> 0 or null (= clip_eps)", self.clip_eps_high)
+        require(self.kl_coef >= 0, "model.update.kl_coef", ">= 0 (0 = no KL term)", self.kl_coef)
+        require(self.updates_per_rollout >= 1, "model.update.updates_per_rollout", ">= 1", self.updates_per_rollout)
+        require(self.micro_batch_size >= 1, "model.update.micro_batch_size", ">= 1", self.micro_batch_size)
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "model.update.micro_batch_tokens", ">= 1 or null",
                 self.micro_batch_tokens)
         # Each choice set is defined once, as a Literal: here, or in objectives.py beside the formula that takes it.
         for key, choices in (("old_logp_source", OldLogpSource), ("minibatch_grouping", MinibatchGrouping),
                              ("aggregation", obj.Aggregation), ("kl_estimator", obj.KLEstimator),
                              ("negative_advantages", obj.NegativeAdvantages)):
             value = getattr(self, key)
-            require(value in get_args(choices), f"model.{key}", f"one of {get_args(choices)}", value)
-        require(self.target_kl is None or (math.isfinite(self.target_kl) and self.target_kl > 0), "model.target_kl",
+            require(value in get_args(choices), f"model.update.{key}", f"one of {get_args(choices)}", value)
+        require(self.target_kl is None or (math.isfinite(self.target_kl) and self.target_kl > 0), "model.update.target_kl",
                 "> 0 (a KL in nats per token, e.g. 0.01-0.05) or null (no drift bound)", self.target_kl)
-        require(math.isfinite(self.target_kl_factor) and self.target_kl_factor >= 1.0, "model.target_kl_factor",
+        require(math.isfinite(self.target_kl_factor) and self.target_kl_factor >= 1.0, "model.update.target_kl_factor",
                 ">= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
-        require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
+        require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.update.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 
 

@@ -133,12 +133,13 @@ def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None, timeout:
         ({"max_new_tokens": 0}, {}, [], ["rollout.max_new_tokens must be >= 1, got 0"]),
         ({"temperature": 0.0}, {"logprob_temperature": 1.0}, [], ["rollout.temperature must be > 0 when sampling, got 0.0"]),
         ({}, {"warmup_ratio": 0.1}, ["--trainer.max_steps", "-1", "--trainer.max_epochs", "1"],
-         ["trainer.max_steps must be > 0 with model.warmup_ratio > 0", "got -1"]),
+         ["trainer.max_steps must be > 0 with model.optim.warmup_ratio > 0", "got -1"]),
         # issue 23: torch's traceback after the model loaded / trained as given / 4 of 10 updates silently
-        ({}, {}, ["--model.lr", "-1"], ["model.lr must be > 0, got -1.0"]),
-        ({}, {}, ["--model.clip_eps", "-0.2"], ["model.clip_eps must be > 0", "got -0.2"]),
+        ({}, {}, ["--model.optim.lr", "-1"], ["model.optim.lr must be > 0, got -1.0"]),
+        ({}, {}, ["--model.update.clip_eps", "-0.2"], ["model.update.clip_eps must be > 0", "got -0.2"]),
+        # a deprecated flat key: the error names the new one
         ({}, {}, ["--model.updates_per_rollout", "10"],
-         ["model.updates_per_rollout must be <= the rollout rows per step and rank (data.batch_size 2 x "
+         ["model.update.updates_per_rollout must be <= the rollout rows per step and rank (data.batch_size 2 x "
           "rollout.group_size 2 = 4), got 10"]),
     ],
     ids=["group_size", "max_turns", "max_new_tokens", "temperature", "warmup_ratio", "lr", "clip_eps", "updates_per_rollout"],
@@ -570,10 +571,12 @@ def module_checkpoint(work) -> Path:
     import lightning
 
     from lldslight.module import GRPOModule
+    from lldslight.optim import OptimConfig
+    from lldslight.update import UpdateConfig
     from tests.conftest import tiny_policy_config
 
     policy = tiny_policy_config()
-    module = GRPOModule(policy=policy, lr=1e-3, updates_per_rollout=2, micro_batch_size=2)
+    module = GRPOModule(policy=policy, optim=OptimConfig(lr=1e-3), update=UpdateConfig(updates_per_rollout=2, micro_batch_size=2))
     module.configure_model()
     checkpoint = {"state_dict": module.state_dict(), "global_step": 1, "pytorch-lightning_version": lightning.__version__,
                   # as the CLI saves them: plain values (dataclasses as dicts), loadable with weights_only

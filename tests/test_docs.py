@@ -136,7 +136,7 @@ def test_readme_commands_and_yaml(tmp_path, monkeypatch):
     )
     kinds = {type(c) for c in cli.trainer.callbacks}
     assert {SearchRollout, LLDS, LLDMonitor, GradientSpikeGuard} <= kinds
-    assert cli.model.hparams.updates_per_rollout == 4
+    assert cli.model.update_config.updates_per_rollout == 4
 
 
 def test_slug_rules():

@@ -53,7 +53,9 @@ def test_user_callback_wrote_trajectory_tables(tiny_run):
     assert [t.name for t in tables] == ["step_000001.md", "step_000002.md"]
     lines = tables[0].read_text().splitlines()
     assert lines[2].startswith("| # | question | gold | searches | answer | reward")
-    assert len(lines) == 4 + 3
+    assert lines.index("## Turns") == 4 + 3 + 1  # title, blank, header, rule, 3 trajectories; blank
+    assert lines[10] == "| # | turn | action | query | observation |"
+    assert len(lines) >= 12 + 3  # at least a turn per trajectory
 
 
 def test_validate_from_checkpoint(tiny_run, tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ class Faults(pl.Callback):
             for p in self.module.trainable_parameters():
                 p.register_hook(lambda grad: grad * self.factor)
             self.hooked = True
-        update = self.module.global_step * self.module.hparams.updates_per_rollout + ctx.update_index
+        update = self.module.global_step * self.module.update_config.updates_per_rollout + ctx.update_index
         self.factor = self.plan.get(update, 1.0)
         return ctx.logp.new_zeros(())
 

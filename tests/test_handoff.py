@@ -39,71 +39,79 @@ def _declared() -> set[str]:
 # -- the update's interface ------------------------------------------------------------------------------
 
 
-def test_the_module_is_a_learner_with_the_update_config_of_its_hparams():
+def test_the_module_is_a_learner_with_the_update_config_it_is_given():
     from lldslight.module import GRPOModule
     from lldslight.update import Learner, UpdateConfig
 
-    module = GRPOModule(policy=tiny_policy_config(), updates_per_rollout=3, kl_coef=0.0, micro_batch_tokens=64)
+    given = UpdateConfig(updates_per_rollout=3, kl_coef=0.0, micro_batch_tokens=64)
+    module = GRPOModule(policy=tiny_policy_config(), update=given)
     assert isinstance(module, Learner)
     config = module.update_config
-    assert isinstance(config, UpdateConfig)
-    assert config == UpdateConfig(**{f.name: module.hparams[f.name] for f in dataclasses.fields(UpdateConfig)})
-    assert (config.updates_per_rollout, config.kl_coef, config.micro_batch_tokens) == (3, 0.0, 64)
+    assert config == given and module.hparams["update"] == given  # taken whole, saved whole
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.kl_coef = 1.0  # changes go through reconfigure_update
     module.reconfigure_update(updates_per_rollout=1, kl_coef=0.05)
     assert (module.update_config.updates_per_rollout, module.update_config.kl_coef) == (1, 0.05)
-    assert (module.hparams.updates_per_rollout, module.hparams.kl_coef) == (1, 0.05)  # saved with checkpoints
-    with pytest.raises(ValueError, match="model.kl_coef must be >= 0"):
+    assert (module.hparams["update"].updates_per_rollout, module.hparams["update"].kl_coef) == (1, 0.05)  # saved with checkpoints
+    # Under LightningCLI the saved hyper-parameters are the config's mappings: they change alike.
+    module.hparams["update"] = dataclasses.asdict(given)
+    module.reconfigure_update(kl_coef=0.5)
+    assert module.hparams["update"]["kl_coef"] == 0.5 and module.hparams["update"]["updates_per_rollout"] == 1
+    with pytest.raises(ValueError, match="model.update.kl_coef must be >= 0"):
         module.reconfigure_update(kl_coef=-1.0)
 
 
 def test_update_choice_sets_are_defined_once_and_checked():
-    """GRPOModule's signature types every update setting with UpdateConfig's own type (its Literal
-    choice sets: update.py's, or objectives.py's), and UpdateConfig refuses a value outside them,
-    naming the key and the choices."""
+    """The deprecated flat arguments of GRPOModule are typed with the group's own type, made
+    Optional (the Literal choice sets: update.py's, objectives.py's, optim.py's), and a group
+    refuses a value outside its choices, naming the key and the choices."""
     import typing
 
     from lldslight.errors import ConfigError
     from lldslight.module import GRPOModule
+    from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
+    from lldslight.deprecated_keys import GROUP_OF
+
     module_types = typing.get_type_hints(GRPOModule.__init__)
+    hints = {**typing.get_type_hints(UpdateConfig), **typing.get_type_hints(OptimConfig)}
+    for name in GROUP_OF:
+        assert module_types[name] == typing.Optional[hints[name]], name
     update_types = typing.get_type_hints(UpdateConfig)
-    for f in dataclasses.fields(UpdateConfig):
-        assert module_types[f.name] == update_types[f.name], f.name
     for key, bad in (("aggregation", "mean"), ("kl_estimator", "k2"), ("old_logp_source", "cache"),
                      ("minibatch_grouping", "groups"), ("negative_advantages", "flip")):
         choices = typing.get_args(update_types[key])
-        with pytest.raises(ConfigError, match=rf"model\.{key} must be one of .*{choices[0]}.*got '{bad}'"):
+        with pytest.raises(ConfigError, match=rf"model\.update\.{key} must be one of .*{choices[0]}.*got '{bad}'"):
             UpdateConfig(**{key: bad})
-    with pytest.raises(ConfigError, match=r"model\.optimizer must be one of \('adamw', 'adamw8bit'\), got 'sgd'"):
-        GRPOModule(policy=tiny_policy_config(), optimizer="sgd")
+    with pytest.raises(ConfigError, match=r"model\.optim\.optimizer must be 'adamw' or 'adamw8bit', got 'sgd'"):
+        GRPOModule(policy=tiny_policy_config(), optim=OptimConfig(optimizer="sgd"))
 
 
-def test_update_defaults_are_defined_once_in_update_config():
-    """Every UpdateConfig field is a GRPOModule argument whose default is UpdateConfig's, and
-    every field is typed and documented (an attribute docstring after it, as litgpt's TrainArgs)."""
+def test_the_groups_are_taken_whole_and_documented():
+    """GRPOModule takes UpdateConfig and OptimConfig whole (a field added to one is a YAML key with
+    no forwarding code), each field keeps its default in its dataclass only, and every field is
+    typed and documented (an attribute docstring after it, as litgpt's TrainArgs); the deprecated
+    flat arguments are exactly the old release's flat keys, each a field of its group, defaulting to None."""
+    from lldslight.deprecated_keys import GROUP_OF
     from lldslight.module import GRPOModule
+    from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     params = inspect.signature(GRPOModule.__init__).parameters
-    for f in dataclasses.fields(UpdateConfig):
-        assert f.name in params, f.name
-        assert params[f.name].default == f.default, f.name
-    # In module.py the defaults are references to UpdateConfig's, not literals.
-    tree = ast.parse(MODULE_FILE.read_text())
-    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    defaults = dict(zip([a.arg for a in init.args.args][-len(init.args.defaults):], init.args.defaults))
-    for f in dataclasses.fields(UpdateConfig):
-        assert ast.unparse(defaults[f.name]) == f"_U.{f.name}", f"GRPOModule repeats the default of {f.name}"
-    body = next(n for n in ast.walk(ast.parse((PACKAGE / "update.py").read_text()))
-                if isinstance(n, ast.ClassDef) and n.name == "UpdateConfig").body
-    for i, stmt in enumerate(body):
-        if isinstance(stmt, ast.AnnAssign):
-            doc = body[i + 1] if i + 1 < len(body) else None
-            assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str), \
-                f"UpdateConfig.{stmt.target.id} has no docstring"
+    assert params["update"].default == UpdateConfig() and params["optim"].default == OptimConfig()
+    groups = {"update": {f.name for f in dataclasses.fields(UpdateConfig)}, "optim": {f.name for f in dataclasses.fields(OptimConfig)}}
+    assert len(GROUP_OF) == 23 and all(key in groups[group] for key, group in GROUP_OF.items())  # the old release's flat keys
+    flat = {name for name, p in params.items() if name not in ("self", "policy", "update", "optim", "logprob_temperature",
+                                                                "logprob_chunk_size", "fsdp")}
+    assert flat == set(GROUP_OF) and all(params[name].default is None for name in flat)
+    for path, cls in ((PACKAGE / "update.py", "UpdateConfig"), (PACKAGE / "optim.py", "OptimConfig")):
+        body = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls).body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                doc = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str), \
+                    f"{cls}.{stmt.target.id} has no docstring"
 
 
 def test_update_does_not_know_the_module():
@@ -150,8 +158,7 @@ def test_callbacks_assign_only_declared_module_attributes():
 
 
 def test_callbacks_reach_no_private_name_of_another_module():
-    # torch's LambdaLR has no public way to set the rate it reports.
-    allowed = {("scheduler", "_last_lr")}
+    allowed: set = set()  # a rate change goes through lldslight.optim.set_learning_rate
     found = []
     for path, tree in _sources(PACKAGE / "callbacks"):
         for node in ast.walk(tree):

@@ -132,7 +132,7 @@ def test_a_forced_alarm_rolls_back_exactly_applies_every_remedy_and_stops_at_the
     for step in (7, 8, 9, 10):
         assert rec.lrs[step] == [pytest.approx(0.5 * LR * 8 / WARMUP)], step
     llds = next(cb for cb in trainer.callbacks if isinstance(cb, LLDS))
-    assert llds.coef == pytest.approx(0.4) and module.hparams.updates_per_rollout == 1 and module.hparams.kl_coef == 0.05
+    assert llds.coef == pytest.approx(0.4) and module.hparams["update"].updates_per_rollout == 1 and module.hparams["update"].kl_coef == 0.05
     assert module.reference is None  # LoRA: the reference is the base model with the adapter off
     logged = rows(trainer)
     assert "train/kl" in logged[7] and "train/kl" not in logged[6]  # the module computed reference log-probs
@@ -154,7 +154,7 @@ def test_a_forced_alarm_rolls_back_exactly_applies_every_remedy_and_stops_at_the
                  updates_factor=0.5, kl_coef=0.05)
     trainer2, module2, rec2, alarm2, _ = run(policies["lora"], tmp_path / "b", heal2, steps=14, force={12}, ckpt=str(path))
     llds2 = next(cb for cb in trainer2.callbacks if isinstance(cb, LLDS))
-    assert llds2.coef == pytest.approx(0.4) and module2.hparams.updates_per_rollout == 1 and module2.hparams.kl_coef == 0.05
+    assert llds2.coef == pytest.approx(0.4) and module2.hparams["update"].updates_per_rollout == 1 and module2.hparams["update"].kl_coef == 0.05
     # Without the held rate the restored warm-up lambda would give LR_healed x 12/20 at step 11.
     for step in (11, 12, 13):
         assert rec2.lrs[step] == [pytest.approx(0.5 * LR * 8 / WARMUP)], step
@@ -194,7 +194,7 @@ def test_full_fine_tuning_anchor_schedule_rollback_and_disk_snapshots(tmp_path):
     heal2 = Heal(every=2, depth=3, margin=2, max_heals=2, memory_budget_mb=0, disk_dir=str(tmp_path / "snaps2"), lr_factor=None,
                  end_warmup=False, kl_coef=0.05)
     trainer2, module2, _, _, _ = run(policy, tmp_path / "b", heal2, steps=10, force=set(), ckpt=str(path), llds=False)
-    assert module2.hparams.kl_coef == 0.05 and module2.reference is not None
+    assert module2.hparams["update"].kl_coef == 0.05 and module2.reference is not None
     assert all(torch.equal(a, b) for a, b in zip(module2.reference.parameters(), s[4]["params"]))
     assert "train/kl" in rows(trainer2)[9]
 

@@ -287,7 +287,7 @@ def test_llds_configs_append_to_the_base_callbacks(monkeypatch, extra, gate, mas
     assert SearchRollout in kinds and LLDS in kinds and GradientSpikeGuard in kinds
     llds = next(c for c in cli.trainer.callbacks if isinstance(c, LLDS))
     assert (llds.coef, llds.gate, llds.answer_masking) == (0.2, gate, masking)
-    assert cli.model.hparams.updates_per_rollout >= 2
+    assert cli.model.update_config.updates_per_rollout >= 2
 
 
 def test_yaml_bare_off_means_no_answer_masking(monkeypatch, tmp_path):
@@ -308,7 +308,7 @@ def test_grpo_config_has_no_llds(monkeypatch):
     cli = _instantiate("tiny.yaml", "grpo.yaml")
     kinds = [type(c) for c in cli.trainer.callbacks]
     assert SearchRollout in kinds and LLDS not in kinds
-    assert cli.model.hparams.updates_per_rollout == yaml.safe_load((REPO / "configs/llds.yaml").read_text())["model"]["updates_per_rollout"]
+    assert cli.model.update_config.updates_per_rollout == yaml.safe_load((REPO / "configs/llds.yaml").read_text())["model"]["update"]["updates_per_rollout"]
 
 
 # -- a tiny real fit ------------------------------------------------------------------------------

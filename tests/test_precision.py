@@ -288,9 +288,11 @@ def test_deprecated_dtype_maps_to_precision(dtype, lora, want, monkeypatch):
 def test_rollout_log_probs_are_refused_under_bf16():
     from lldslight.module import GRPOModule
 
-    with pytest.raises(ConfigError, match=r"^model.old_logp_source must be 'recompute' under policy.precision bf16-mixed, got 'rollout'"):
-        GRPOModule(policy=_config("bf16-mixed"), old_logp_source="rollout")
-    GRPOModule(policy=_config("fp32"), old_logp_source="rollout")  # fp32: allowed (tested to ~1e-5 elsewhere)
+    from lldslight.update import UpdateConfig
+
+    with pytest.raises(ConfigError, match=r"^model.update.old_logp_source must be 'recompute' under policy.precision bf16-mixed, got 'rollout'"):
+        GRPOModule(policy=_config("bf16-mixed"), update=UpdateConfig(old_logp_source="rollout"))
+    GRPOModule(policy=_config("fp32"), update=UpdateConfig(old_logp_source="rollout"))  # fp32: allowed (tested to ~1e-5 elsewhere)
 
 
 def test_lightning_precision_plugin_is_refused():

@@ -70,8 +70,8 @@ def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path)
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.strategy", "auto",
         "--trainer.logger.init_args.save_dir", str(tmp_path),
     ])
-    hp = cli.model.hparams
-    assert (hp.lr, hp.weight_decay, hp.warmup_ratio, hp.grad_clip) == (1e-6, 0.01, 0.285, 1.0)
+    hp, opt = cli.model.update_config, cli.model.optim_config
+    assert (opt.lr, opt.weight_decay, opt.warmup_ratio, hp.grad_clip) == (1e-6, 0.01, 0.285, 1.0)
     assert (hp.kl_coef, hp.kl_estimator, hp.entropy_coef, hp.clip_eps) == (0.001, "k3", 0.0, 0.2)
     assert hp.aggregation == "seq-mean-token-mean" and cli.model.policy_config.lora is None  # full fine-tuning
     assert (cli.model.fsdp_config.param_dtype, cli.model.fsdp_config.reduce_dtype) == ("bfloat16", "float32")
@@ -108,5 +108,5 @@ def test_qlora_overlay_composes_with_a_recipe(tmp_path):
     ])
     policy = cli.model.policy_config
     assert (policy.quantization, policy.precision, policy.dtype, policy.lora.r) == ("nf4", "auto", None, 64)
-    assert cli.model.hparams.optimizer == "adamw8bit"
+    assert cli.model.optim_config.optimizer == "adamw8bit"
     assert isinstance(cli.trainer.strategy, DDPStrategy)

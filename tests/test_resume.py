@@ -38,7 +38,7 @@ CONFIG = TINY_RUN_HEAD + """        reward: {reward}
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{save_last: true, every_n_train_steps: 1}}
 model:
-  warmup_steps: 3
+  optim: {{warmup_steps: 3}}
 """
 DYNAMIC = """    - class_path: lldslight.callbacks.SearchRolloutOptions
       init_args: {dynamic_sampling: {enabled: true, max_rounds: 3}}
@@ -128,8 +128,7 @@ RESUME_HEAD = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.Parit
 {extra}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{save_last: true, every_n_train_steps: 1}}
 model:
-  lr: 1.0e-3
-  warmup_steps: 4
+  optim: {{lr: 1.0e-3, warmup_steps: 4}}
 """
 
 
@@ -157,26 +156,27 @@ def test_a_resume_names_every_setting_it_takes_from_the_checkpoint(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = run / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=True)
-    assert saved["hyper_parameters"]["lr"] == 1e-3 and saved["lr_schedulers"][0]["base_lrs"] == [5e-4]
+    assert saved["hyper_parameters"]["optim"]["lr"] == 1e-3 and saved["lr_schedulers"][0]["base_lrs"] == [5e-4]
 
     # warm-up factor at step 2 (0-based) with warmup_steps 4: min(1, 3/4); train/lr is logged in float32
-    plain = resume_fit(tmp_path, "plain", run, 3, "--ckpt_path", "last", "--model.lr", "3e-4", "--model.clip_eps", "0.1",
+    # --model.lr: a deprecated flat key, folded into model.optim.lr before the comparison
+    plain = resume_fit(tmp_path, "plain", run, 3, "--ckpt_path", "last", "--model.lr", "3e-4", "--model.update.clip_eps", "0.1",
                        "--model.policy.lora.r", "8")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert resume_lines(plain) == [
         f"[lldslight] resuming from {ckpt}: 3 setting(s) taken from the checkpoint, not your config: "
-        "model.clip_eps=0.2 (yours: 0.1), model.lr=0.001 (yours: 0.0003), model.policy.lora.r=4 (yours: 8); "
-        "--resume_override model.clip_eps,model.lr,model.policy.lora.r (or all) uses yours"]
+        "model.optim.lr=0.001 (yours: 0.0003), model.policy.lora.r=4 (yours: 8), model.update.clip_eps=0.2 (yours: 0.1); "
+        "--resume_override model.optim.lr,model.policy.lora.r,model.update.clip_eps (or all) uses yours"]
     step2 = metrics(run / "tiny" / "version_1" / "metrics.csv")[2]
     assert step2["train/lr"] == pytest.approx(5e-4 * 0.75, rel=1e-6), "a plain resume must keep the rate the run had (halved in flight)"
 
-    override = resume_fit(tmp_path, "override", run, 3, "--ckpt_path", str(ckpt), "--model.lr", "3e-4",
-                          "--model.clip_eps", "0.1", "--resume_override", "model.lr")
+    override = resume_fit(tmp_path, "override", run, 3, "--ckpt_path", str(ckpt), "--model.optim.lr", "3e-4",
+                          "--model.update.clip_eps", "0.1", "--resume_override", "model.optim.lr")
     assert override.returncode == 0, override.stderr[-3000:]
     assert resume_lines(override) == [
         f"[lldslight] resuming from {ckpt}: 1 setting(s) taken from the checkpoint, not your config: "
-        "model.clip_eps=0.2 (yours: 0.1); yours by --resume_override: model.lr=0.0003 (checkpoint: 0.001); "
-        "--resume_override model.clip_eps (or all) uses yours"]
+        "model.update.clip_eps=0.2 (yours: 0.1); yours by --resume_override: model.optim.lr=0.0003 (checkpoint: 0.001); "
+        "--resume_override model.update.clip_eps (or all) uses yours"]
     step2 = metrics(run / "tiny" / "version_2" / "metrics.csv")[2]
     assert step2["train/lr"] == pytest.approx(3e-4 * 0.75, rel=1e-6), "the scheduler must restart from the new base rate"
     assert torch.load(run / "tiny" / "version_2" / "checkpoints" / "last.ckpt", weights_only=True)["lr_schedulers"][0]["base_lrs"] == [3e-4]

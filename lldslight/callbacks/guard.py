@@ -253,7 +253,7 @@ class GradientSpikeGuard(pl.Callback):
             f"Saved {path}. The gradient norm kept exploding or turning non-finite; look at "
             "train/grad_norm, train/entropy and the log-prob metrics. Resuming from the checkpoint "
             "with a larger LLDS coef or a higher guard factor takes effect (callback arguments); a "
-            "lower model.lr given on resume does not by itself (the checkpoint's hyperparameters and "
+            "lower model.optim.lr given on resume does not by itself (the checkpoint's hyperparameters and "
             "scheduler base_lrs win): to lower the rate inside the run, use the Heal callback "
             "(configs/heal.yaml, docs/alarm_and_healing.md)."
         )

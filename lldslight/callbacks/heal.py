@@ -18,8 +18,8 @@ end of that step:
    ``lr_factor`` (with ``end_warmup``: the rate the optimiser was about to use times the factor,
    held constant from then on; both ``param_groups[*]["lr"]`` and the scheduler's ``base_lrs``
    are set, and the warm-up lambda is replaced by a constant), ``llds_coef_factor`` (the LLDS
-   callback's coef), ``updates_factor`` (``model.updates_per_rollout``, at least 1), ``kl_coef``
-   (a KL anchor: ``model.kl_coef`` raised to it; under full fine-tuning without a reference yet,
+   callback's coef), ``updates_factor`` (``model.update.updates_per_rollout``, at least 1), ``kl_coef``
+   (a KL anchor: ``model.update.kl_coef`` raised to it; under full fine-tuning without a reference yet,
    the reference becomes a frozen copy of the rolled-back weights; under LoRA it stays the base
    model with the adapter off), in any combination;
 4. logs ``heal/*`` in the step's row and prints one line. At most ``max_heals`` heals; later alarms
@@ -50,6 +50,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lldslight.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
+from lldslight.optim import set_learning_rate
 
 
 def _held(step: int) -> float:
@@ -113,8 +114,8 @@ class Heal(pl.Callback):
         end_warmup: hold the rate constant from the heal on (the warm-up, or whatever remains of
             the schedule, ends).
         llds_coef_factor: multiply the LLDS callback's coef by this (null = leave it; needs LLDS).
-        updates_factor: multiply ``model.updates_per_rollout`` by this, rounded, at least 1 (null = leave).
-        kl_coef: raise ``model.kl_coef`` to this KL anchor (null = leave).
+        updates_factor: multiply ``model.update.updates_per_rollout`` by this, rounded, at least 1 (null = leave).
+        kl_coef: raise ``model.update.kl_coef`` to this KL anchor (null = leave).
         print_heals: print one line per heal (and per skipped heal).
     """
 
@@ -353,20 +354,9 @@ class Heal(pl.Callback):
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
         scheduler = self._scheduler(trainer)
         if "base_lrs" in applied:
-            base = list(applied["base_lrs"])
-            if scheduler is not None:
-                if applied.get("held") and hasattr(scheduler, "lr_lambdas"):
-                    scheduler.lr_lambdas = [_held] * len(scheduler.lr_lambdas)
-                scheduler.base_lrs = list(base)
-                lambdas = getattr(scheduler, "lr_lambdas", None)
-                rates = [b * fn(scheduler.last_epoch) for b, fn in zip(base, lambdas)] if lambdas else list(base)
-                scheduler._last_lr = list(rates)
-            else:
-                rates = base
-            for group, rate in zip(optimizer.param_groups, rates):
-                group["lr"] = rate
-                if "initial_lr" in group:
-                    group["initial_lr"] = rate
+            if scheduler is not None and applied.get("held") and hasattr(scheduler, "lr_lambdas"):
+                scheduler.lr_lambdas = [_held] * len(scheduler.lr_lambdas)
+            set_learning_rate(optimizer, scheduler, list(applied["base_lrs"]))
         if "llds_coef" in applied and self._llds is not None:
             self._llds.coef = float(applied["llds_coef"])
         if "updates_per_rollout" in applied:

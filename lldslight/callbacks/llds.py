@@ -94,8 +94,8 @@ class LLDS(pl.Callback):
         updates = pl_module.update_config.updates_per_rollout
         if updates == 1:
             rank_zero_warn(
-                "LLDS is on but model.updates_per_rollout=1: every update is on-policy, so L_LLDS is "
-                "identically zero and LLDS does nothing. Set model.updates_per_rollout >= 2 "
+                "LLDS is on but model.update.updates_per_rollout=1: every update is on-policy, so L_LLDS is "
+                "identically zero and LLDS does nothing. Set model.update.updates_per_rollout >= 2 "
                 "(the paper's recipe has 10 mini-batch updates per rollout batch)."
             )
 

@@ -20,7 +20,7 @@ from lldslight.policy import load_tokenizer, resolve_model_dir
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardFn
-from lldslight.rollout import RolloutConfig, RolloutEngine
+from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine
 
 
 class SearchRollout(pl.Callback):
@@ -45,6 +45,12 @@ class SearchRollout(pl.Callback):
             lldslight/dynamic_sampling.py). Off by default and in the paper recipes. From a config
             composed on top of the one that defines this callback, append ``SearchRolloutOptions``
             (configs/dynamic_sampling.yaml).
+        backend: the generation backend, by ``class_path`` (lldslight/rollout/backend.py): a class
+            taking ``(tokenizer, retriever, reward_fn, config)`` first, its other arguments as
+            ``init_args``. ``lldslight.rollout.RolloutEngine`` (default) batches every rollout over
+            one cache; ``lldslight.rollout.HFGenerate`` runs transformers' ``generate`` one rollout
+            and turn at a time (the reference, and the fallback for models the engine cannot serve).
+            docs/generation_backends.md.
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class SearchRollout(pl.Callback):
         eval_before_fit: bool = False,
         eval_after_fit: bool = False,
         dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
+        backend: BackendFactory = RolloutEngine,
     ) -> None:
         require(eval_max_turns >= 0, "SearchRollout.eval_max_turns", ">= 0", eval_max_turns)
         require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "SearchRollout.eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
@@ -73,17 +80,25 @@ class SearchRollout(pl.Callback):
         self.eval_before_fit = eval_before_fit
         self.eval_after_fit = eval_after_fit
         self.dynamic_sampling = dynamic_sampling
+        self.backend = backend
         self._warned_short = False
-        self._train_engine: Optional[RolloutEngine] = None
-        self._eval_engine: Optional[RolloutEngine] = None
+        self._train_engine: Optional[GenerationBackend] = None
+        self._eval_engine: Optional[GenerationBackend] = None
 
-    def _engines(self, pl_module) -> tuple[RolloutEngine, RolloutEngine]:
+    def _engines(self, pl_module) -> tuple[GenerationBackend, GenerationBackend]:
         if self._train_engine is None:
-            self._train_engine = RolloutEngine(pl_module.tokenizer, self.retriever, self.reward, self.config)
-            self._eval_engine = RolloutEngine(pl_module.tokenizer, self.retriever, self.reward, self.eval_config)
+            self._train_engine = self._build(pl_module, self.config)
+            self._eval_engine = self._build(pl_module, self.eval_config)
         return self._train_engine, self._eval_engine
 
-    def train_engine(self, pl_module) -> RolloutEngine:
+    def _build(self, pl_module, config: RolloutConfig) -> GenerationBackend:
+        backend = self.backend(pl_module.tokenizer, self.retriever, self.reward, config)
+        if not isinstance(backend, GenerationBackend):
+            raise ConfigError(f"SearchRollout.backend: {type(backend).__name__} is not a generation backend (it needs "
+                              "generate(model, examples, group_size, greedy) -> Trajectory; lldslight/rollout/backend.py)")
+        return backend
+
+    def train_engine(self, pl_module) -> GenerationBackend:
         """The engine training rollouts are sampled with (other callbacks, e.g. LLDProbe, sample with it too)."""
         return self._engines(pl_module)[0]
 
@@ -97,7 +112,7 @@ class SearchRollout(pl.Callback):
                 # Known only here (data.batch_size x rollout.group_size): more mini-batches than rows
                 # would leave some empty, and those updates would silently not happen.
                 rows = batch * self.config.group_size
-                require(updates <= rows, "model.updates_per_rollout",
+                require(updates <= rows, "model.update.updates_per_rollout",
                         f"<= the rollout rows per step and rank (data.batch_size {batch} x rollout.group_size "
                         f"{self.config.group_size} = {rows})", updates, "each update trains on its own mini-batch of rows")
         # Before the policy loads (GRPOModule.configure_model): sizes against the model and the
@@ -150,7 +165,7 @@ class SearchRollout(pl.Callback):
             traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
         else:
             traj = engine.generate(pl_module.policy, batch)
-            retrieval_s = engine.stats.get("retrieval_s", 0.0)
+            retrieval_s = getattr(engine, "stats", {}).get("retrieval_s", 0.0)
         pl_module.receive_rollout(traj, "train", timings={"rollout_s": time.perf_counter() - t0, "retrieval_s": retrieval_s})
         counters = {}
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
@@ -162,7 +177,7 @@ class SearchRollout(pl.Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, reduce_fx=reduction(key), batch_size=len(batch),
                           sync_dist=trainer.world_size > 1)
 
-    def _dynamic_batch(self, trainer, pl_module, engine: RolloutEngine, batch: Any):
+    def _dynamic_batch(self, trainer, pl_module, engine: GenerationBackend, batch: Any):
         """Dynamic sampling (lldslight/dynamic_sampling.py): the trajectory and the
         retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
         datamodule = trainer.datamodule
@@ -170,7 +185,7 @@ class SearchRollout(pl.Callback):
 
         def generate(prompts):
             traj = engine.generate(pl_module.policy, prompts)
-            retrieval[0] += engine.stats.get("retrieval_s", 0.0)
+            retrieval[0] += getattr(engine, "stats", {}).get("retrieval_s", 0.0)
             return traj
 
         cfg = self.dynamic_sampling

@@ -8,21 +8,34 @@ token-in/token-out. One concern per file:
 - answer.py: detokenising token by token, and the final answer's token span;
 - cache.py: the ragged KV cache of a rollout batch (``RaggedCache``) and the forward over it
   (``Decoder``), public for the speed tools that measure them (benchmarks/decode_ops.py);
-- engine.py: ``RolloutConfig`` and ``RolloutEngine``: the scheduling, the sampler, the scored
-  Trajectory.
+- episode.py: one rollout's turns under the protocol's rules (``Episode``, ``EpisodeRules``), and
+  the finished rollouts packed and scored into a Trajectory: what every backend shares;
+- engine.py: ``RolloutConfig`` and ``RolloutEngine``: the default backend's scheduling and sampler;
+- hf_generate.py: ``HFGenerate``, the reference backend (transformers' ``generate``, one turn per call);
+- backend.py: ``GenerationBackend``, the seam: what a backend receives and must return.
 
-Imports go one way: engine.py imports its four siblings, which import none of the others.
+Imports go one way: backend.py and hf_generate.py import engine.py and the rest; engine.py imports
+episode.py, cache.py and protocol.py; episode.py imports answer.py, layout.py and protocol.py, which
+import none of the others.
 Inside the package they are relative, so an older copy of the package can be loaded beside this
 one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every public name is
 re-exported here: ``from lldslight.rollout import X`` is the import to use.
 """
 from .answer import answer_token_span, token_texts
+from .backend import BackendFactory, GenerationBackend
 from .cache import Decoder, RaggedCache
 from .engine import RolloutConfig, RolloutEngine
+from .episode import Episode, EpisodeRules
+from .hf_generate import HFGenerate
 from .layout import Layout, pack
 from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
 
 __all__ = [
+    "BackendFactory",
+    "Episode",
+    "EpisodeRules",
+    "GenerationBackend",
+    "HFGenerate",
     "INVALID_ACTION",
     "STOP_TAGS",
     "Decoder",

@@ -109,7 +109,8 @@ class Decoder:
         self.decoder, self.head = decoder_and_head(model)
         impl = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
         require(impl in (None, "sdpa", "eager"), "policy.attn_implementation", "'sdpa' or 'eager' for the rollout engine",
-                impl, "its ragged cache gives each row its own 4-D attention mask")
+                impl, "its ragged cache gives each row its own 4-D attention mask; another attention runs with "
+                "SearchRollout's backend: lldslight.rollout.HFGenerate (docs/generation_backends.md)")
         self.additive_mask = impl == "eager"  # eager adds the mask to the scores; sdpa takes a boolean one
         # transformers 5.x renamed the decoder's ``past_key_values`` argument to ``cache``.
         self.cache_arg = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"

@@ -7,11 +7,12 @@ ends, or an observation (the retrieved passages, or the invalid-action message) 
 decodes its next turn. The sampled ids are kept exactly as sampled (decoding and re-encoding the
 model's own text can change its tokens and so its log-probs); only observations are tokenised.
 
-This file owns the scheduling (which row decodes, waits for retrieval or is prefilled), the
-sampler and the scoring. What it speaks, packs, decodes and caches is in its siblings:
-protocol.py (tags, observation strings, tokenising prompts and observations), layout.py (the
-token layout and packer shared with the warm start), answer.py (detokenising, the answer span),
-cache.py (the ragged KV cache and the forward over it).
+This file owns the scheduling (which row decodes, waits for retrieval or is prefilled) and the
+sampler: it is the default generation backend (backend.py). What it speaks, packs, decodes and
+caches is in its siblings: episode.py (a rollout's turns under the protocol's rules, packing and
+scoring, shared with every backend), protocol.py (tags, observation strings, tokenising prompts
+and observations), layout.py (the token layout and packer shared with the warm start), answer.py
+(detokenising, the answer span), cache.py (the ragged KV cache and the forward over it).
 
 Speed on one CPU or GPU comes from these choices (benchmarks/generation.py measures them):
 - continuous batching: each row moves through its turns on its own. A row whose turn ends is
@@ -31,12 +32,11 @@ EM/F1 score one answer, the one in its last action (rewards.final_answer).
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -45,13 +45,13 @@ from lldslight.data.example import QAExample
 from lldslight.errors import require
 from lldslight.policy import sampling_weights
 from lldslight.retrieval.base import Retriever
-from lldslight.rewards import ModelText, exact_match, f1_score, final_answer
+from lldslight.rewards import RewardFn
 from lldslight.trajectory import Trajectory
 
-from .answer import answer_token_span
 from .cache import Decoder
-from .layout import Layout, pack
-from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
+from .episode import Episode, EpisodeRules
+from .layout import Layout
+from .protocol import prompt_token_ids
 
 
 @dataclass
@@ -101,24 +101,10 @@ class RolloutConfig:
 
 
 @dataclass
-class _Row:
-    """One rollout as it moves through its turns. phase: "decode" (sampling a turn), "wait" (its
-    search is queued or being retrieved), "ready" (an observation waits to be prefilled), "done"."""
+class _Row(Episode):
+    """One rollout and its own random stream (sampling)."""
 
-    example: QAExample
-    layout: Layout
-    noise: Optional[torch.Generator] = None  # this row's own random stream (sampling)
-    phase: str = "decode"
-    turn_index: int = 0
-    turn: list[int] = field(default_factory=list)
-    turn_logp: list[float] = field(default_factory=list)
-    budget: int = 0
-    sample_logp: list[float] = field(default_factory=list)
-    response_len: int = 0
-    actions: int = 0
-    searches: int = 0
-    invalid: int = 0
-    finish: str = ""
+    noise: Optional[torch.Generator] = None
     _uniforms: list[float] = field(default_factory=list)
 
     def uniform(self) -> float:
@@ -145,20 +131,30 @@ class RolloutEngine:
     Args:
         tokenizer: the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
-        reward_fn: ``(response, golden_answers) -> float``; ``response`` is the model's own text,
-            its actions concatenated (no prompt, observation or environment message), a
-            rewards.ModelText whose ``actions`` hold each action's text.
+        reward_fn: ``(response, golden_answers[, question=, data_source=, turns=]) -> float``
+            (rewards.RewardFn); ``response`` is the model's own text, its actions concatenated (no
+            prompt, observation or environment message), a rewards.ModelText whose ``actions``
+            hold each action's text.
         config: sampling settings.
     """
 
-    def __init__(self, tokenizer, retriever: Retriever, reward_fn: Callable[[str, list[str]], float], config: RolloutConfig):
+    def __init__(self, tokenizer, retriever: Retriever, reward_fn: RewardFn, config: RolloutConfig):
         self.tokenizer = tokenizer
         self.retriever = retriever
         self.reward_fn = reward_fn
         self.config = config
-        self.eos_ids = eos_ids(tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.rules = EpisodeRules(tokenizer, config, reward_fn)
+        self.pad_id = self.rules.pad_id
         self.stats: dict[str, float] = {}
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The token ids that end a turn (the rules'); settable (a test ends turns on more ids)."""
+        return self.rules.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: list[int]) -> None:
+        self.rules.eos_ids, self.rules.eos = list(ids), frozenset(ids)
 
     @torch.no_grad()
     def generate(self, model: nn.Module, examples: list[QAExample], group_size: Optional[int] = None, greedy: Optional[bool] = None) -> Trajectory:
@@ -175,7 +171,7 @@ class RolloutEngine:
                 rows = gathered_generate(model, lambda: self._run(model, examples, G, greedy))
         finally:
             model.train(was_training)
-        return self._to_trajectory(rows, next(model.parameters()).device)
+        return self.rules.to_trajectory(rows, next(model.parameters()).device)
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -208,7 +204,6 @@ class RolloutEngine:
         """
         decoder = Decoder(model)
         device = decoder.device
-        self._eos = frozenset(self.eos_ids)
         self.stats = dict.fromkeys(
             ("decode_steps", "overlap_steps", "retrieval_s", "retrieval_wait_s", "retrieval_calls", "prefill_s", "decode_s", "observation_s", "compactions"), 0.0
         )
@@ -267,7 +262,7 @@ class RolloutEngine:
         prompts = [prompt_token_ids(self.tokenizer, ex.messages) for ex in examples]
         seeds = [None] * (len(prompts) * G) if greedy else torch.randint(2**62, (len(prompts) * G,)).tolist()
         pairs = [(ex, p) for ex, p in zip(examples, prompts) for _ in range(G)]
-        rows = [_Row(ex, Layout(list(p)), None if seed is None else torch.Generator().manual_seed(seed)) for (ex, p), seed in zip(pairs, seeds)]
+        rows = [_Row(ex, Layout(list(p)), noise=None if seed is None else torch.Generator().manual_seed(seed)) for (ex, p), seed in zip(pairs, seeds)]
         P, width, device = len(prompts), max(len(p) for p in prompts), decoder.device
         ids = torch.full((P, width), self.pad_id, dtype=torch.long, device=device)  # [P, W]
         for i, p in enumerate(prompts):
@@ -280,14 +275,8 @@ class RolloutEngine:
             decoder.cache.repeat_rows(G)  # [P*G, kv_heads, C, head_dim] per layer
             logits = logits.repeat_interleave(G, dim=0)
         for row in rows:
-            self._start_turn(row)
+            self.rules.start_turn(row)
         return rows, _Slots(rows=list(range(len(rows))), length=[len(p) for p in prompts for _ in range(G)], logits=logits)
-
-    def _start_turn(self, row: _Row) -> None:
-        cfg = self.config
-        row.phase, row.turn, row.turn_logp = "decode", [], []
-        # >= 1: a row that is not done has room left in its response budget
-        row.budget = min(cfg.max_new_tokens, cfg.max_response_tokens - row.response_len)
 
     def _sample_step(self, rows: list[_Row], slots: "_Slots", decoding: list[int], greedy: bool, queue: list[tuple[int, str]]) -> dict[int, int]:
         """Step 6: one token for every decoding slot; returns {slot: token} for the rows that go on
@@ -302,38 +291,13 @@ class RolloutEngine:
             row = rows[slots.rows[s]]
             row.turn.append(tok)
             row.turn_logp.append(logp)
-            if tok in self._eos or len(row.turn) >= row.budget or (tok in self._tag_closers and self._hit_stop(row.turn)):
-                query = self._close_turn(row)
+            if self.rules.turn_stops(row, tok):
+                query = self.rules.close_turn(row)
                 if query is not None:
                     queue.append((slots.rows[s], query))
             else:
                 fed[s] = tok
         return fed
-
-    def _close_turn(self, row: _Row) -> Optional[str]:
-        """Record the turn as the row's next action and decide what follows; returns the query when
-        the row searched."""
-        cfg = self.config
-        row.layout.add(row.turn, row.actions)
-        row.sample_logp.extend(row.turn_logp)
-        row.actions += 1
-        row.response_len += len(row.turn)
-        kind, content = parse_action(self.tokenizer.decode(row.turn, skip_special_tokens=True))
-        if kind == "answer":
-            row.finish = "answer"
-        elif row.turn_index == cfg.max_turns:
-            row.finish = "max_turns"
-        elif row.response_len >= cfg.max_response_tokens:
-            row.finish = "length"
-        elif kind == "search" and content:
-            row.phase = "wait"
-            return content
-        else:
-            row.invalid += 1
-            self._observe(row, INVALID_ACTION)
-        if row.finish:
-            row.phase = "done"
-        return None
 
     def _search(self, searches: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], list, float]:
         """One retrieval call (in the worker thread)."""
@@ -348,19 +312,7 @@ class RolloutEngine:
         if len(results) != len(searches):
             raise RuntimeError(f"retriever returned {len(results)} result lists for {len(searches)} queries")
         for (r, _), passages in zip(searches, results):
-            rows[r].searches += 1
-            self._observe(rows[r], format_observation(passages))
-
-    def _observe(self, row: _Row, text: str) -> None:
-        """Append an observation, cut to max_obs_tokens and to what is left of the response budget."""
-        room = self.config.max_response_tokens - row.response_len
-        obs = observation_ids(self.tokenizer, text, self.config.max_obs_tokens)[: max(room, 0)]
-        row.layout.add(obs, -1)
-        row.response_len += len(obs)
-        if row.response_len >= self.config.max_response_tokens:
-            row.finish, row.phase = "length", "done"
-        else:
-            row.phase = "ready"
+            self.rules.observe_passages(rows[r], passages)
 
     def _prefill_observations(self, decoder: "Decoder", rows: list[_Row], slots: "_Slots", ready: list[int]) -> None:
         """Step 4: for the ``ready`` slots only, each row's last sampled token (never fed while
@@ -380,7 +332,7 @@ class RolloutEngine:
             slots.length[s] += len(b)
             row = rows[slots.rows[s]]
             row.turn_index += 1
-            self._start_turn(row)
+            self.rules.start_turn(row)
 
     def _compact(self, decoder: "Decoder", rows: list[_Row], slots: "_Slots", fed: dict[int, int]) -> dict[int, int]:
         """Step 7: finished rows leave the cache once they are a quarter of it (one copy of the
@@ -450,76 +402,3 @@ class RolloutEngine:
         x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, x, right=True)[:, 0]
         return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - top[:, 0] - log_z
-
-    @functools.cached_property
-    def _tag_closers(self) -> frozenset[int]:
-        """Ids of the tokens that can complete a stop tag (their text holds its final '>'); byte
-        tokens ('<0x3E>') are kept too. Only after one of these is the decoded tail searched."""
-        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-        return frozenset(i for i, p in enumerate(pieces) if p is not None and (">" in p or p.startswith("<0x")))
-
-    def _hit_stop(self, turn: list[int]) -> bool:
-        # A tag is at most 9 characters, so the last 12 tokens always hold a freshly completed one.
-        tail = self.tokenizer.decode(turn[-12:], skip_special_tokens=False)
-        return any(tag in tail for tag in STOP_TAGS)
-
-    # -- packing and scoring ----------------------------------------------------------------------
-
-    def _to_trajectory(self, rows: list[_Row], device: torch.device) -> Trajectory:
-        packed = pack([row.layout for row in rows], self.pad_id)
-        B, T = packed["input_ids"].shape
-        answer_mask = torch.zeros((B, T), dtype=torch.bool)  # [B, T]: the final answer's tokens
-        sample_logp = torch.zeros((B, T), dtype=torch.float32)  # [B, T]: log-probs as sampled, on model tokens
-        for b, row in enumerate(rows):
-            sample_logp[b, packed["loss_mask"][b]] = torch.tensor(row.sample_logp, dtype=torch.float32)
-            if row.finish == "answer":
-                last = row.layout.segments[-1][0]
-                start = len(row.layout) - len(last)
-                for offset in answer_token_span(self.tokenizer, last):
-                    answer_mask[b, start + offset] = True
-        scores = self._score(rows)
-        traj = Trajectory(
-            input_ids=packed["input_ids"],
-            attention_mask=packed["attention_mask"],
-            prompt_len=packed["prompt_len"],
-            loss_mask=packed["loss_mask"],
-            action_id=packed["action_id"],
-            answer_mask=answer_mask,
-            group_id=torch.tensor([r.example.group_id for r in rows], dtype=torch.long),
-            reward=torch.tensor(scores["reward"], dtype=torch.float32),
-            num_searches=torch.tensor([r.searches for r in rows], dtype=torch.long),
-            num_invalid=torch.tensor([r.invalid for r in rows], dtype=torch.long),
-            num_actions=torch.tensor([r.actions for r in rows], dtype=torch.long),
-            finish_reason=[r.finish for r in rows],
-            data_source=[r.example.data_source for r in rows],
-            responses=scores["responses"],
-            questions=[r.example.question for r in rows],
-            golden_answers=[list(r.example.golden_answers) for r in rows],
-            model_texts=scores["model_texts"],
-            answers=scores["answers"],
-            em=torch.tensor(scores["em"], dtype=torch.float32),
-            f1=torch.tensor(scores["f1"], dtype=torch.float32),
-            sample_logp=sample_logp,
-        )
-        # The ids exactly as sampled, per rollout: tests check the trajectory never re-tokenised them.
-        traj.extras["sampled_ids"] = [[t for ids in r.layout.actions() for t in ids] for r in rows]
-        return traj.to(device)
-
-    def _score(self, rows: list[_Row]) -> dict[str, list]:
-        """Reward, EM and F1 from the model's own words only: the reward gets the text of its actions
-        (no observation, no invalid-action message) as a ModelText; it and EM/F1 score the same
-        answer, the last action's (rewards.final_answer). The full response text, observations
-        included, is kept for logging."""
-        out: dict[str, list] = {k: [] for k in ("responses", "model_texts", "answers", "reward", "em", "f1")}
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        for row in rows:
-            text = ModelText([decode(ids) for ids in row.layout.actions()])
-            answer = final_answer(text)
-            gold = row.example.golden_answers
-            out["responses"].append(decode([t for ids, _ in row.layout.segments for t in ids]))
-            out["model_texts"].append(str(text))
-            out["answers"].append(answer)
-            out["reward"].append(float(self.reward_fn(text, gold)) + 0.0)  # + 0.0: a reward of -0.0 is 0.0
-            out["em"].append(exact_match(answer, gold))
-            out["f1"].append(f1_score(answer, gold))
-        return out

@@ -1,0 +1,61 @@
+"""The generation seam: what a rollout backend receives and must return.
+
+SearchRollout (lldslight/callbacks/rollout.py) builds its backend from a factory, named in YAML by
+``class_path`` as LightningCLI takes an optimizer: a class whose first four parameters are
+``(tokenizer, retriever, reward_fn, config)`` and whose other parameters are the ``init_args``::
+
+    trainer:
+      callbacks:
+        - class_path: lldslight.callbacks.SearchRollout
+          init_args:
+            backend: lldslight.rollout.HFGenerate      # default: lldslight.rollout.RolloutEngine
+
+Two backends ship: :class:`~lldslight.rollout.RolloutEngine` (engine.py; continuous batching over a
+ragged KV cache, the default) and :class:`~lldslight.rollout.HFGenerate` (hf_generate.py;
+transformers' ``generate``, one rollout and one turn per call: the reference the engine is tested
+against, and the fallback for a model whose attention the engine's cache cannot serve). Both play
+the protocol through rollout/episode.py, so their greedy outputs are the same tokens.
+docs/generation_backends.md says how a server backend (vLLM, SGLang) would plug in.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+from torch import nn
+
+from lldslight.data.example import QAExample
+from lldslight.retrieval.base import Retriever
+from lldslight.rewards import RewardFn
+from lldslight.trajectory import Trajectory
+
+from .engine import RolloutConfig
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """A rollout backend. Built once per sampling setting (training, evaluation) by
+    ``factory(tokenizer, retriever, reward_fn, config)``, then called before every step.
+
+    Optionally it keeps ``stats``, a dict of seconds and counts of the last ``generate`` call:
+    SearchRollout logs its ``retrieval_s`` as ``time/retrieval_s`` (0 without it). (An attribute
+    is not part of the Protocol: a Protocol with one cannot be checked with issubclass, which is
+    how a ``class_path`` is checked against it.)"""
+
+    def generate(self, model: nn.Module, examples: list[QAExample], group_size: Optional[int] = None,
+                 greedy: Optional[bool] = None) -> Trajectory:
+        """Sample ``group_size`` (default ``config.group_size``) rollouts of each example with the
+        current weights of ``model`` (greedy: argmax, as evaluation does), and return them scored.
+
+        The Trajectory must hold, per rollout in example order (G consecutive rows per example):
+        the token ids exactly as sampled (never re-tokenised; ``loss_mask`` and ``action_id`` on
+        them), observations tokenised by rollout/protocol.py, ``group_id`` from the example,
+        ``sample_logp`` [B, T]: the sampler's log-probability of each sampled token under the
+        temperature-scaled distribution (before top-k/top-p), 0 elsewhere (``model.update.
+        old_logp_source: rollout`` trains on it, ``rollout/logp_mismatch`` compares it with the
+        trainer's), and the reward, EM/F1 and turns: build it with
+        ``rollout.episode.EpisodeRules.to_trajectory`` and it holds all of them."""
+
+
+BackendFactory = Callable[[Any, Retriever, RewardFn, RolloutConfig], GenerationBackend]
+"""What SearchRollout's ``backend`` is: a GenerationBackend class (or any callable) taking
+``(tokenizer, retriever, reward_fn, config)``."""
