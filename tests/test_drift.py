@@ -3,7 +3,7 @@ AdaptiveRate (lldslight/update.py, lldslight/callbacks/drift.py).
 
 Every expected value is computed here a second way: the KLs from probabilities (not log-prob
 differences) in plain Python over the tokens of each mini-batch, with the weights each update saw
-recorded as it ran; the early stop against a replay without the bound; the rate rule by hand.
+recorded as it ran; the early stop against a replay without the bound; the rate rule by hand (the rate setter itself: tests/test_config_groups.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lldslight import update as U
-from lldslight.callbacks.drift import AdaptiveRate, set_base_rates
+from lldslight.callbacks.drift import AdaptiveRate
 from lldslight.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,22 +168,6 @@ def test_adaptive_rate_rule_by_hand():
     assert low == pytest.approx(1e-5 / base)  # floored at lr_min
 
 
-def test_set_base_rates_keeps_the_warmup_shape():
-    theta = torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.AdamW([theta], lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    for _ in range(4):
-        optimizer.step()
-        scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 5 / 10)
-    assert set_base_rates(optimizer, scheduler, [4e-4]) == pytest.approx([4e-4 * 5 / 10])
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-4)
-    optimizer.step()
-    scheduler.step()  # the warm-up goes on from the new base
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(4e-4 * 6 / 10)
-    assert scheduler.state_dict()["base_lrs"] == [4e-4]  # what a checkpoint restores
-
-
 ADAPTIVE = """    - class_path: lldslight.callbacks.AdaptiveRate
       init_args: {target_kl: 1.0e-4, factor: 2.0, lr_min: 1.0e-5, lr_max: 4.0e-3}
 """
@@ -196,7 +180,7 @@ def test_adaptive_rate_is_logged_and_resumes_exactly(tmp_path):
     from run_helpers import KILL
     from test_resume import KILL_AT, STEPS, fit, metrics
 
-    args = ("--model.updates_per_rollout", "2", "--model.micro_batch_size", "1")
+    args = ("--model.update.updates_per_rollout", "2", "--model.update.micro_batch_size", "1")
     full = fit(tmp_path, "full", tmp_path / "full", extra=ADAPTIVE, args=args)
     assert full.returncode == 0, full.stderr[-3000:]
     killed = fit(tmp_path, "killed", tmp_path / "run", extra=ADAPTIVE + KILL.format(step=KILL_AT), args=args)

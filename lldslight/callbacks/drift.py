@@ -21,7 +21,7 @@ warm-up or decay keeps its shape, scaled. Both live in the scheduler's and optim
 Lightning checkpoints, so a resumed run continues with exactly the rate it had; ``scale`` is also
 this callback's own state. Logged: ``drift/lr_scale`` and ``drift/target_kl`` (docs/metrics.md).
 
-Pair it with the update's own early stop (``model.target_kl``: no further update of a rollout batch
+Pair it with the update's own early stop (``model.update.target_kl``: no further update of a rollout batch
 once a mini-batch's KL passes 1.5 x the target) for the two halves of a drift bound.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any, Optional, Protocol
 import lightning.pytorch as pl
 
 from lldslight.errors import require
+from lldslight.optim import set_learning_rate
 
 
 class DriftMeasured(Protocol):
@@ -90,7 +91,7 @@ class AdaptiveRate(pl.Callback):
                 "metrics; is the module a GRPOModule?)", self.metric)
         self.last_kl = float(kl)
         self.scale = self.next_scale(self.last_kl, self.scale, max(self.base))
-        set_base_rates(optimizer, scheduler, [b * self.scale for b in self.base])
+        set_learning_rate(optimizer, scheduler, [b * self.scale for b in self.base])
         pl_module.log_dict({"drift/lr_scale": self.scale, "drift/target_kl": self.target_kl}, on_step=True, on_epoch=False,
                            batch_size=1, sync_dist=False)
 
@@ -109,16 +110,3 @@ class AdaptiveRate(pl.Callback):
         self.base = state_dict.get("base")
         self.last_kl = state_dict.get("last_kl")
 
-
-def set_base_rates(optimizer, scheduler, base: list[float]) -> list[float]:
-    """Put new base rates in force: the scheduler's ``base_lrs`` (so its later steps follow them) and
-    each parameter group's current rate, the scheduler's multiplier at its current step x the new
-    base (a LambdaLR's warm-up keeps its shape). Without a scheduler the base is the rate. Public
-    attributes only. Returns the rates now in force."""
-    lambdas = getattr(scheduler, "lr_lambdas", None) if scheduler is not None else None
-    rates = [b * fn(scheduler.last_epoch) for b, fn in zip(base, lambdas)] if lambdas else list(base)
-    if scheduler is not None:
-        scheduler.base_lrs = list(base)
-    for group, rate in zip(optimizer.param_groups, rates):
-        group["lr"] = rate
-    return rates
