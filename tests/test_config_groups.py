@@ -20,16 +20,23 @@ import yaml
 from tests.conftest import ROOT
 
 CONFIGS = sorted(  # the shipped configs that set model settings
-    p for pattern in ("configs/*.yaml", "configs/lab/*.yaml", "configs/lab/arms/*.yaml", "configs/recipes/*.yaml", "benchmarks/*.yaml")
+    p for pattern in ("configs/*.yaml", "lab/configs/*.yaml", "lab/configs/arms/*.yaml", "configs/recipes/*.yaml", "benchmarks/*.yaml")
     for p in ROOT.glob(pattern) if (yaml.safe_load(p.read_text()) or {}).get("model")
 )
 
 
 def _flat(model: dict) -> dict:
     """The flat form of a ``model:`` mapping written with the groups: what the old code read."""
+    from lldslight.deprecated_keys import GROUP_OF
+
     out = {k: v for k, v in model.items() if k not in ("update", "optim")}
     for group in ("update", "optim"):
-        out.update(model.get(group) or {})
+        fields = model.get(group) or {}
+        out.update({k: v for k, v in fields.items() if k in GROUP_OF})
+        # A field added to a group after the flat release has no flat key: it stays in its group.
+        newer = {k: v for k, v in fields.items() if k not in GROUP_OF}
+        if newer:
+            out[group] = newer
     return out
 
 
@@ -67,8 +74,8 @@ def _deprecation_lines(err: str) -> list[str]:
 
 def test_every_shipped_config_was_found():
     names = {str(p.relative_to(ROOT)) for p in CONFIGS}
-    assert {"configs/tiny.yaml", "configs/lab/constant.yaml", "configs/lab/arms/half_lr.yaml",
-            "configs/recipes/qwen2.5-7b-base-grpo.yaml", "benchmarks/collapse.yaml"} <= names
+    assert {"configs/tiny.yaml", "lab/configs/constant.yaml", "lab/configs/arms/half_lr.yaml",
+            "configs/recipes/qwen2.5-7b-base-grpo.yaml", "lab/configs/collapse.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
@@ -78,8 +85,8 @@ def test_a_shipped_config_uses_the_groups_and_resolves_as_its_flat_form(path, ca
     model = yaml.safe_load(path.read_text())["model"]
     assert not set(model) & set(GROUP_OF), f"{path.name}: flat keys {sorted(set(model) & set(GROUP_OF))}"
     base = []
-    if "lab/arms" in str(path):  # an arm composes after the lab's registered recipe
-        base = [yaml.safe_load((ROOT / "configs/lab/constant.yaml").read_text())["model"]]
+    if "lab/configs/arms" in str(path):  # an arm composes after the lab's registered recipe
+        base = [yaml.safe_load((ROOT / "lab/configs/constant.yaml").read_text())["model"]]
     grouped = _resolve(*base, model)
     flat = _resolve(*[_flat(m) for m in base], _flat(model))
     assert grouped == flat
@@ -88,7 +95,7 @@ def test_a_shipped_config_uses_the_groups_and_resolves_as_its_flat_form(path, ca
 
 
 def test_the_lab_recipe_keeps_its_values_and_its_registered_command_lines(tmp_path, capsys, monkeypatch):
-    """configs/lab/constant.yaml and its arms, through the real CLI: the values of the recipe as
+    """lab/configs/constant.yaml and its arms, through the real CLI: the values of the recipe as
     registered (written out by hand here), and ``-- --model.lr 5e-4`` (the registration's command
     line) still sets the rate, with one deprecation line."""
     from lldslight.optim import OptimConfig
@@ -105,14 +112,14 @@ def test_the_lab_recipe_keeps_its_values_and_its_registered_command_lines(tmp_pa
         "pos_only": (UpdateConfig(**{**vars(recipe), "negative_advantages": "drop"}), rate),
         "unshared": (UpdateConfig(**{**vars(recipe), "negative_advantages": "unshared"}), rate),
     }
-    common = ["--config", "configs/lab/constant.yaml", "--model.policy.model", "smollm2-135m-instruct",
+    common = ["--config", "lab/configs/constant.yaml", "--model.policy.model", "smollm2-135m-instruct",
               "--trainer.logger.init_args.save_dir", str(tmp_path)]
     for arm, (update, optim) in arms.items():
-        cli = _instantiate([*common, "--config", f"configs/lab/arms/{arm}.yaml"])
+        cli = _instantiate([*common, "--config", f"lab/configs/arms/{arm}.yaml"])
         assert (cli.model.update_config, cli.model.optim_config) == (update, optim), arm
     assert not _deprecation_lines(capsys.readouterr().err)
 
-    cli = _instantiate([*common, "--config", "configs/lab/arms/half_lr.yaml", "--model.lr", "5e-4"])
+    cli = _instantiate([*common, "--config", "lab/configs/arms/half_lr.yaml", "--model.lr", "5e-4"])
     assert cli.model.optim_config == OptimConfig(lr=5e-4, warmup_steps=30)  # the command line wins, as before
     assert cli.model.update_config == recipe
     assert _deprecation_lines(capsys.readouterr().err) == [
@@ -198,7 +205,11 @@ def test_a_checkpoint_written_before_the_groups_resumes(tmp_path):
     saved = torch.load(ckpt, weights_only=True)
     hparams = saved["hyper_parameters"]
     assert hparams["optim"]["lr"] == 1e-3 and hparams["lr"] is None  # the groups' form
-    saved["hyper_parameters"] = {**{k: v for k, v in hparams.items() if k not in ("update", "optim")}, **hparams["update"], **hparams["optim"]}
+    # An old checkpoint holds the old release's flat keys only: fields added to a group since have none.
+    from lldslight.deprecated_keys import GROUP_OF
+
+    flat = {k: v for k, v in {**hparams["update"], **hparams["optim"]}.items() if k in GROUP_OF}
+    saved["hyper_parameters"] = {**{k: v for k, v in hparams.items() if k not in ("update", "optim")}, **flat}
     torch.save(saved, ckpt)
 
     resumed = resume_fit(tmp_path, "resumed", run, 2, "--ckpt_path", "last", "--model.update.clip_eps", "0.1")

@@ -108,6 +108,7 @@ def run_page(page: Path, tmp_path: Path, capsys=None) -> list[str]:
     commands = runnable(page)
     real = reads_runs(page)
     (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "lab").symlink_to(ROOT / "lab")  # the lab's configs (lab/configs/) that pages name
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def lldslight(args: list[str]) -> subprocess.CompletedProcess:

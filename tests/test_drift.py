@@ -150,7 +150,7 @@ def test_target_kl_stops_the_rollout_batch_before_the_update_that_passes_it():
 
 @pytest.mark.parametrize("bad", [{"target_kl": 0.0}, {"target_kl": -1.0}, {"target_kl": float("nan")}, {"target_kl_factor": 0.5}])
 def test_a_bad_drift_bound_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match="model.target_kl"):
+    with pytest.raises(ValueError, match="model.update.target_kl"):
         U.UpdateConfig(**bad)
 
 

@@ -284,9 +284,9 @@ def test_packed_micro_batches_give_the_whole_batch_gradient(fixed_rollout, aggre
 
 def test_token_packing_groups_rows_by_length(fixed_rollout):
     from lldslight.module import GRPOModule
-    from lldslight.update import micro_batches
+    from lldslight.update import UpdateConfig, micro_batches
 
-    module = GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=100, shared_prefix=False)  # shared: test_shared_prefix.py
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(micro_batch_tokens=100, shared_prefix=False))  # shared: test_shared_prefix.py
     rows = torch.arange(len(fixed_rollout))
     batches = micro_batches(module, fixed_rollout, rows)
     lengths = fixed_rollout.attention_mask.sum(-1)

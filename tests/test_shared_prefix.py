@@ -211,7 +211,7 @@ def test_plain_forward_where_sharing_cannot_apply():
     """Eager attention, left-padded rows: the plain forward (B x T tokens); an eager policy's
     micro-batches are cut as without sharing."""
     from lldslight.module import GRPOModule
-    from lldslight.update import micro_batches
+    from lldslight.update import UpdateConfig, micro_batches
 
     ids, attn, mask, groups, _ = hand_built()
     assert shared_prefix.pack_groups(ids, attn.flip(-1), groups) is None  # not right-padded
@@ -287,6 +287,7 @@ def test_every_no_grad_pass_of_the_module_shares_and_agrees():
     together; policy and reference (the adapter off) log-probs equal with shared_prefix on and off,
     and the shared run's forwards see fewer tokens."""
     from lldslight.module import GRPOModule
+    from lldslight.update import UpdateConfig
     from lldslight.trajectory import Trajectory
 
     ids, attn, mask, groups, _ = hand_built()
@@ -302,7 +303,7 @@ def test_every_no_grad_pass_of_the_module_shares_and_agrees():
     rows = torch.tensor([5, 3, 0, 4, 1, 2])
     out, seen = {}, {}
     for on in (True, False):
-        module = GRPOModule(policy=tiny_policy_config(), micro_batch_size=4, shared_prefix=on)
+        module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(micro_batch_size=4, shared_prefix=on))
         module.policy = model
         counts = []
         hook = model.get_input_embeddings().register_forward_hook(lambda m, args, o: counts.append(args[0].numel()))

@@ -151,6 +151,10 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
               shuffle_minibatches=False, micro_batch_size=2)
     kw.update(module_kw)
     llds = LLDS(coef=0.2, skip_on_policy=False, answer_masking="official", normaliser=kw.pop("llds_normaliser", "preserving"))
+    if "shared_prefix" in kw:  # a field newer than the flat keys: only in its group
+        from lldslight.update import UpdateConfig
+
+        kw["update"] = UpdateConfig(shared_prefix=kw.pop("shared_prefix"))
     module = GRPOModule(policy=policy_config(**kw.pop("policy", {})), **kw)
 
     def load_setup_policy(config):  # configure_model's loader: the setup's weights, then sharding as usual
