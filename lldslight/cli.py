@@ -358,16 +358,18 @@ def _lookup(tree: dict, key: str) -> Any:
 
 def _remove_empty_run_dirs(trainer: Any) -> None:
     """A run that failed before it logged anything leaves no ``version_N`` behind: the directory
-    goes if it holds nothing but the config Lightning saved at start (config.yaml, hparams.yaml)
-    and empty folders. Anything else in it (metrics, checkpoints, files of yours) keeps it."""
+    (and its lock file beside it) goes if it holds nothing but the config Lightning saved at start
+    (config.yaml, hparams.yaml) and empty folders. Anything else in it (metrics, checkpoints, files
+    of yours) keeps it."""
     import shutil
 
-    from lldslight.run_dir import log_dir, previous_run
+    from lldslight.run_dir import lock_path, log_dir, previous_run
 
     for logger in getattr(trainer, "loggers", None) or []:
         path = log_dir(logger)
-        if path is not None and path.is_dir() and not previous_run(path):
+        if path is not None and not previous_run(path):
             shutil.rmtree(path, ignore_errors=True)
+            lock_path(path).unlink(missing_ok=True)  # this process's; the run it locked never was
 
 
 def _claim_run_dirs(trainer: Any, force: bool) -> list:
