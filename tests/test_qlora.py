@@ -72,9 +72,9 @@ def test_missing_bitsandbytes_names_the_extra(monkeypatch):
     from lldslight.module import GRPOModule
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
-    with pytest.raises(PolicyLoadError, match=r"policy.quantization='nf4' needs bitsandbytes: pip install 'lldslight\[gpu\]'"):
+    with pytest.raises(PolicyLoadError, match=r"policy.quantization='nf4' needs bitsandbytes: pip install -e '\.\[gpu\]' in your lldslight clone"):
         load_policy(qlora_config("nf4"))
-    with pytest.raises(ImportError, match=r"adamw8bit needs bitsandbytes: pip install 'lldslight\[gpu\]'"):
+    with pytest.raises(ImportError, match=r"adamw8bit needs bitsandbytes: pip install -e '\.\[gpu\]' in your lldslight clone"):
         GRPOModule(optimizer="adamw8bit", warmup_steps=0).configure_optimizers()
 
 
