@@ -490,6 +490,13 @@ def _combine(kind: str, a: Tensor | float, b: Tensor | float) -> Tensor | float:
     return a + b
 
 
+def log_ratio(new: Tensor, old: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per token log r = log new - log old [b, T] in float64 (k3 ~ (log r)^2 / 2 for tiny log r is below
+    float32's resolution), 0 off ``mask`` and where either side is not finite; and where it is defined."""
+    ok = mask & torch.isfinite(new) & torch.isfinite(old)
+    return torch.where(ok, new.double() - old.double(), 0.0), ok
+
+
 def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float) -> dict[str, Tensor]:
     """The sampler/trainer mismatch on the on-policy mini-batch (docs/precision.md), this
     micro-batch's share: sums over its model tokens divided by the mini-batch's ``tokens``, so
@@ -499,8 +506,7 @@ def logp_mismatch(sampler: Tensor, trainer: Tensor, mask: Tensor, tokens: float)
     so no extra forward. ``rollout/logp_mismatch``: mean |log q - log p| in nats per token, q the
     sampler, p the trainer. ``rollout/logp_mismatch_kl``: the k3 estimator of KL(q || p) on
     tokens drawn from q, (r - 1) - log r with r = p / q, unbiased and >= 0 for every token."""
-    ok = mask & torch.isfinite(sampler) & torch.isfinite(trainer)
-    d = torch.where(ok, trainer.double() - sampler.double(), 0.0)  # log r; float64: k3 ~ d^2 / 2 for tiny d
+    d, _ = log_ratio(trainer, sampler, mask)
     n = max(tokens, 1.0)
     return {"rollout/logp_mismatch": d.abs().sum() / n, "rollout/logp_mismatch_kl": (torch.expm1(d) - d).sum() / n}
 
@@ -517,10 +523,8 @@ def drift_shares(logp: Tensor, old_logp: Tensor, mask: Tensor, tokens: float) ->
       >= 0 token by token; the one the drift bound reads);
     - ``drift/log_ratio_m2``: mean of (log r)^2, M2PO's second moment of the log-ratio;
     - ``drift/ratio_m2``: mean of r^2, the second moment of the importance ratio itself
-      (1 + the chi-square divergence; it explodes first when a token's ratio does).
-    float64: for tiny log r, k3 ~ (log r)^2 / 2 is below float32's resolution of r - 1."""
-    ok = mask & torch.isfinite(logp) & torch.isfinite(old_logp)
-    d = torch.where(ok, logp.double() - old_logp.double(), 0.0)  # [b, T] log r
+      (1 + the chi-square divergence; it explodes first when a token's ratio does)."""
+    d, ok = log_ratio(logp, old_logp, mask)
     n = max(tokens, 1.0)
     return {
         "drift/kl_k3": (torch.expm1(d) - d).sum() / n,
