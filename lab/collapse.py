@@ -518,7 +518,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          args.extra_configs, overrides) for arm, seed in todo}
     previous = archive / "collapse.json"
     earlier = json.loads(previous.read_text())["meta"].get("runs", {}) if previous.is_file() else {}
-    meta["runs"] = {**{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **run_all(commands, out, archive, args.jobs, args.threads)}
+    new_runs = run_all(commands, out, archive, args.jobs, args.threads)
+    # A set spans sessions and maybe machines: each run keeps the machine kind it ran on (CPU model,
+    # SIMD flags, its init's digest), the stratum of a stratified test.
+    kind = {k: meta["machine"].get(k) for k in ("cpu_model", "cpu_flags_simd", "cpu_capability", "torch")}
+    for (arm, seed) in todo:
+        new_runs.setdefault(f"{arm}/seed{seed}", {})["machine_kind"] = {
+            **kind, "init": policy_of.get(seed), "init_digest": (meta.get("inits") or {}).get(policy_of.get(seed))}
+    meta["runs"] = {**{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold

@@ -105,6 +105,10 @@ def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
     assert all("error" not in r and r["steps"] == 2 for r in result["runs"])
     assert (archive / "llds" / "seed0" / "metrics.csv.gz").is_file()
     assert "LLDS" in (collapse.run_dir(out, "llds", 0) / "config.yaml").read_text()
+    # Each run names the machine kind it ran on (a stratified test's stratum), read back from /proc.
+    kind = result["meta"]["runs"]["llds/seed0"]["machine_kind"]
+    flags = set(next(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split(":")[1].split())
+    assert kind["cpu_flags_simd"] and set(kind["cpu_flags_simd"]) <= flags
     import shutil
 
     shutil.rmtree(out)  # the archive alone must be enough
