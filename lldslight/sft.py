@@ -231,6 +231,15 @@ def warm_start(
     return summary
 
 
+def _stat_key(path: str) -> Optional[list[int]]:
+    """[size, mtime_ns] of a file, None when it is not one (a missing file is reported later)."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
 def _cache_key(request: dict) -> dict:
     """A warm-start request without the policy's deprecated ``dtype`` (its ``precision`` holds what
     it meant): warm starts made when --dtype float32 was the default stay cached."""
@@ -289,6 +298,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                "policy": dataclasses.asdict(policy), "gold": dataclasses.asdict(gold)}
     if args.prompt_template is not None:  # absent from the request otherwise: earlier warm starts stay cached
         request["prompt_template"] = args.prompt_template
+    # The files as well as their paths: a knowledge base re-synthesised in place (another seed, the
+    # same out_dir) must not reuse the warm start trained on the old one. Size and mtime, not a
+    # hash: a retrieval corpus can be many GB, and a rewrite always moves the mtime.
+    request["inputs"] = {p: _stat_key(p) for p in [*args.data, args.corpus] if p}
     marker = Path(args.out) / "lldslight_export.json"
     try:
         earlier = json.loads(marker.read_text()) if marker.is_file() else None

@@ -3,6 +3,8 @@ falls, and a saved model that `model.policy.model` loads and that then follows t
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import torch
 
@@ -161,7 +163,15 @@ def test_sft_command_is_idempotent_and_reports_empty_sets(synth_kb, tmp_path, ca
     assert "already holds this warm start" in capsys.readouterr().out
     assert (out / "model.safetensors").stat().st_mtime_ns == first
     assert main(args + ["--limit", "5"]) == 0  # a different request trains again
-    assert (out / "model.safetensors").stat().st_mtime_ns != first
+    second = (out / "model.safetensors").stat().st_mtime_ns
+    assert second != first
+    # The same paths holding other data (a knowledge base re-synthesised in place) train again.
+    data = Path(synth_kb["train_jsonl"])
+    data.write_text(data.read_text())
+    os.utime(data, ns=(second + 10**9, second + 10**9))
+    assert main(args + ["--limit", "5"]) == 0
+    assert "already holds" not in capsys.readouterr().out
+    assert (out / "model.safetensors").stat().st_mtime_ns != second
 
 
 def test_sft_precision_flag_and_warm_starts_made_under_dtype_stay_cached(synth_kb, tmp_path, capsys, recwarn):
