@@ -34,6 +34,8 @@ else:  # python lab/demo_seeds.py: the script's own folder is on sys.path
 # because scipy is not a dependency.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 ARM = re.compile(r"n(\d+)_seed(\d+)")
+# Each plan's verdict rule (lab/archive/demo/PLAN_*.md), as its report prints it.
+RULES = {"primary": "seed 0 and >= 2 more pass", "majority": "most seeds pass", "shipped": "seed 0 passes and >= 2 seeds in all do"}
 
 
 def run_dir(arm: Path) -> Path:
@@ -67,9 +69,10 @@ def arm_report(run: Path, before: list[dict], after: list[dict], step: int) -> d
 
 
 def report(root: Path, recipe_n: int = 32, context_n: int = 64, rule: str = "primary") -> dict:
-    """``rule`` is the plan's: "primary" (the first test: seed 0 passes and >= 2 other seeds do) or
-    "majority" (the second test: more than half of the seeds pass)."""
-    require(rule in ("primary", "majority"), "rule", "primary or majority", rule)
+    """``rule`` is the plan's: "primary" (the first test: seed 0 passes and >= 2 other seeds do),
+    "majority" (the second test: more than half of the seeds pass) or "shipped"
+    (PLAN_shipped_demo.md: seed 0 passes and >= 2 seeds in all do)."""
+    require(rule in RULES, "rule", " or ".join(RULES), rule)
     arms = find_arms(root)
     evals = {key: before_after(run) for key, run in arms.items() if key[0] in (recipe_n, context_n)}  # each file read once
     recipe = {seed: arm_report(arms[(n, seed)], *evals[(n, seed)]) for n, seed in sorted(evals) if n == recipe_n}
@@ -86,8 +89,10 @@ def report(root: Path, recipe_n: int = 32, context_n: int = 64, rule: str = "pri
                           "replications": len(replications)}
     passing = sum(r["passes"] for r in recipe.values())
     out["rule"] = rule
-    out["shows_held_out_learning"] = bool(recipe[0]["passes"] and out["replication"]["passing_replications"] >= 2
-                                          if rule == "primary" else passing > k / 2)
+    out["shows_held_out_learning"] = bool(
+        recipe[0]["passes"] and out["replication"]["passing_replications"] >= 2 if rule == "primary"
+        else passing > k / 2 if rule == "majority"
+        else recipe[0]["passes"] and passing >= 2)
     if (context_n, 0) in evals:
         context_before = evals[(context_n, 0)][0]
         out["context"] = {"arm": f"n{context_n}_seed0", **arm_report(arms[(context_n, 0)], *evals[(context_n, 0)])}
@@ -101,8 +106,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", help="runs/demo_seeds (arm directories n{N}_seed{S}/version_K) or its archive")
     p.add_argument("--archive", default=None, help="also copy every arm's evidence here, gzipped")
-    p.add_argument("--rule", choices=["primary", "majority"], default="primary",
-                   help="the plan's verdict: seed 0 and >= 2 more pass (first test) or most seeds pass (second test)")
+    p.add_argument("--rule", choices=list(RULES), default="primary", help="the plan's verdict: " + "; ".join(f"{k}: {v}" for k, v in RULES.items()))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     root = Path(args.root)
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     print(f"\nmean change over seeds {rep['seeds']}: {rep['mean_change']:+.3f}, 95% t interval "
           f"[{rep['t95_low']:+.3f}, {rep['t95_high']:+.3f}]; replications passing: {rep['passing_replications']} of "
           f"{rep['replications']}; passing: {sum(a['passes'] for a in r['arms'].values())} of {len(r['arms'])}; "
-          f"shows held-out learning ({'seed 0 and >= 2 more pass' if r['rule'] == 'primary' else 'most seeds pass'}): "
+          f"shows held-out learning ({RULES[r['rule']]}): "
           f"{r['shows_held_out_learning']}")
     print("\n| arm | question type | EM before -> after (n) | paired change (SE) |\n|---|---|---|---|")
     for name, a in rows:

@@ -3,7 +3,8 @@
 # the first N training trajectories, evaluated greedily on a knowledge base's test split before and
 # after GRPO. Run after `bash scripts/demo.sh` has set up.
 #   bash lab/demo_seeds.sh SEED [N=32] [KB=0] -> runs/demo_seeds[_kb1]/n{N}_seed{SEED}/version_0/
-# KB 0: the demo's knowledge base and its 14 steps (configs/demo.yaml). KB 1: a fresh knowledge base
+# KB 0: the demo's knowledge base and steps as configs/demo.yaml has them now (the first test ran
+# them at synthesis seed 0 and 14 steps; since PLAN_shipped_demo.md: seed 2, 30 steps). KB 1: a fresh knowledge base
 # (synthesis seed 1) and 30 steps (lab/configs/demo_fresh_kb.yaml). The plan's arms:
 #   first test:  for s in 0 1 2 3; do bash lab/demo_seeds.sh $s 32; done; bash lab/demo_seeds.sh 0 64
 #   second test: for s in 0 1 2; do bash lab/demo_seeds.sh $s 32 1; done

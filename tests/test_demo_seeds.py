@@ -87,3 +87,23 @@ def test_majority_rule_counts_every_seed(tmp_path):
     assert ds.report(tmp_path)["shows_held_out_learning"] is False  # the primary rule needs seed 0
     with pytest.raises(Exception, match="rule"):
         ds.report(tmp_path, rule="best")
+
+
+def test_shipped_rule_needs_seed_0_and_one_more(tmp_path):
+    """PLAN_shipped_demo.md: seed 0 passes and at least 2 of the 3 seeds pass."""
+    ds = load_lab("demo_seeds")
+    _arm(tmp_path, "n32_seed0", [0, 0, 0, 0], [1, 1, 1, 0])  # passes (.75 >= 2 x .25)
+    _arm(tmp_path, "n32_seed1", [0, 0, 0, 0], [1, 1, 0, 0])  # fails (.5 < 2 x .2887)
+    _arm(tmp_path, "n32_seed2", [0, 0, 0, 1], [1, 1, 0, 1])  # fails
+    assert ds.report(tmp_path, rule="shipped")["shows_held_out_learning"] is False  # 1 of 3
+    (tmp_path / "n32_seed2" / "version_1").mkdir()  # a newer version of seed 2 that passes
+    for stem, ems in (("val_before_step0", [0, 0, 0, 0]), ("val_after_step14", [0, 1, 1, 1])):
+        (tmp_path / "n32_seed2" / "version_1" / f"{stem}.json").write_text(json.dumps({"summary": {}, "records": _records(ems)}))
+    assert ds.report(tmp_path, rule="shipped")["shows_held_out_learning"] is True  # seed 0 + seed 2
+    # Seeds 1 and 2 passing without seed 0 is not enough (the majority rule would say yes).
+    _arm(tmp_path, "n32_seed3", [0, 0, 0, 0], [1, 1, 1, 0])
+    for stem, ems in (("val_before_step0", [0, 0, 0, 0]), ("val_after_step14", [1, 1, 0, 0])):
+        (tmp_path / "n32_seed0" / "version_0" / f"{stem}.json").write_text(json.dumps({"summary": {}, "records": _records(ems)}))
+    r = ds.report(tmp_path, rule="shipped")
+    assert not r["arms"]["n32_seed0"]["passes"] and r["shows_held_out_learning"] is False
+    assert ds.report(tmp_path, rule="majority")["shows_held_out_learning"] is False  # 2 of 4 is not most
