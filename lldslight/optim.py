@@ -73,6 +73,12 @@ def build_optimizer(params: list, config: OptimConfig, max_steps: int):
     return optimizer, scheduler
 
 
+def scheduler_of(trainer) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+    """The run's learning-rate scheduler (the first one Lightning configured), None without one."""
+    configs = trainer.lr_scheduler_configs
+    return configs[0].scheduler if configs else None
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Optional[torch.optim.lr_scheduler.LRScheduler],
                       lr: float | Sequence[float]) -> list[float]:
     """Make ``lr`` the run's base learning rate from now on (one number for every parameter group,

@@ -32,7 +32,7 @@ from typing import Any, Optional, Protocol
 import lightning.pytorch as pl
 
 from lldslight.errors import require
-from lldslight.optim import set_learning_rate
+from lldslight.optim import scheduler_of, set_learning_rate
 
 
 class DriftMeasured(Protocol):
@@ -83,7 +83,7 @@ class AdaptiveRate(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: DriftMeasured, outputs: Any, batch: Any, batch_idx: int) -> None:
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
-        scheduler = self._scheduler(trainer)
+        scheduler = scheduler_of(trainer)
         if self.base is None:
             self.base = list(scheduler.base_lrs) if scheduler is not None else [float(g["lr"]) for g in optimizer.param_groups]
         kl = pl_module.last_step_metrics.get(self.metric)
@@ -94,11 +94,6 @@ class AdaptiveRate(pl.Callback):
         set_learning_rate(optimizer, scheduler, [b * self.scale for b in self.base])
         pl_module.log_dict({"drift/lr_scale": self.scale, "drift/target_kl": self.target_kl}, on_step=True, on_epoch=False,
                            batch_size=1, sync_dist=False)
-
-    @staticmethod
-    def _scheduler(trainer: pl.Trainer):
-        configs = trainer.lr_scheduler_configs
-        return configs[0].scheduler if configs else None
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "base": self.base, "last_kl": self.last_kl}

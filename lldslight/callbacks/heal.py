@@ -50,7 +50,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lldslight.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
 from lldslight.events import log_event
-from lldslight.optim import set_learning_rate
+from lldslight.optim import scheduler_of, set_learning_rate
 
 
 def _held(step: int) -> float:
@@ -191,15 +191,10 @@ class Heal(pl.Callback):
 
     # -- snapshots ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _scheduler(trainer: pl.Trainer):
-        configs = trainer.lr_scheduler_configs
-        return configs[0].scheduler if configs else None
-
     def capture(self, trainer: pl.Trainer, pl_module) -> dict[str, Any]:
         """The run's state now (between two steps), as a detached copy."""
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
-        scheduler = self._scheduler(trainer)
+        scheduler = scheduler_of(trainer)
         rng = pl_module.rng_after_step
         state: dict[str, Any] = {
             "params": [p.detach().clone() for p in pl_module.trainable_parameters()],
@@ -262,7 +257,7 @@ class Heal(pl.Callback):
         older = [s for s in self.ring if s.step <= target]
         snap = older[-1] if older else self.ring[0]
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
-        scheduler = self._scheduler(trainer)
+        scheduler = scheduler_of(trainer)
         before = self._settings(trainer, pl_module, optimizer)
 
         data = snap.load()
@@ -308,7 +303,7 @@ class Heal(pl.Callback):
 
     def _settings(self, trainer: pl.Trainer, pl_module, optimizer) -> dict[str, Any]:
         """The values the remedies act on, as they are now."""
-        scheduler = self._scheduler(trainer)
+        scheduler = scheduler_of(trainer)
         return {
             "lr": float(optimizer.param_groups[0]["lr"]),
             "param_lrs": [float(g["lr"]) for g in optimizer.param_groups],
@@ -352,7 +347,7 @@ class Heal(pl.Callback):
         """Put the remedies in ``applied`` in force (idempotent): after a heal, and on resume."""
         applied = self.applied
         optimizer = pl_module.optimizers(use_pl_optimizer=False)
-        scheduler = self._scheduler(trainer)
+        scheduler = scheduler_of(trainer)
         if "base_lrs" in applied:
             if scheduler is not None and applied.get("held") and hasattr(scheduler, "lr_lambdas"):
                 scheduler.lr_lambdas = [_held] * len(scheduler.lr_lambdas)
