@@ -354,6 +354,23 @@ def test_light_warmstart_demo_recomputed_independently() -> None:
         assert _row(key).endswith("| met |" if met else "| not met |")
         if key == "R9":
             assert f"test EM {mean:+.3f} (95% t interval {mean - half:+.3f} to {mean + half:+.3f})" in page("README.md")
+    # R14: the shipped demo's registered test (PLAN_shipped_demo.md): seed 0 and 2 of the 3 seeds
+    shipped = DEMO / "shipped"
+    diffs = [[a - b for a, b in zip(after, before)] for before, after in _test_ems(shipped, range(3))]
+    changes = [(sum(d) / 64, statistics.stdev(d) / 8) for d in diffs]
+    mean = statistics.fmean(c for c, _ in changes)
+    half = t975[2] * statistics.stdev(c for c, _ in changes) / 3 ** 0.5
+    passing = [c >= 2 * se for c, se in changes]
+    interval = f"(95% t interval {mean - half:+.3f} to {mean + half:+.3f})"
+    assert f"{mean:+.3f} on average over 3 seeds {interval}; {sum(passing)} of the 3 runs by two standard errors" in studies
+    seed0 = f"{changes[0][0]:+.3f} (SE {changes[0][1]:.3f})"
+    assert f"dev EM {mean:+.3f} on average {interval}; {sum(passing)} of 3 runs by two standard errors; seed 0 {seed0}" in _row("R14")
+    assert _row("R14").endswith("| met |" if passing[0] and sum(passing) >= 2 else "| not met |")
+    assert f"seed 0 moved dev EM by {seed0}" in page("README.md")
+    # "training reward was 0 in N of the 30 steps of seed 0"
+    with gzip.open(shipped / "n32_seed0" / "metrics.csv.gz", "rt") as f:
+        rewards = [float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")]
+    assert f"reward was 0 in {sum(r == 0 for r in rewards)} of the {len(rewards)} steps of seed 0" in studies
     # "every run ended below what a 64-example warm start scores without GRPO (0.375)"
     context = json.loads(gzip.decompress((first_test / "n64_seed0" / "val_before_step0.json.gz").read_bytes()))["records"]
     context_em = sum(r["em"] for r in context) / len(context)
