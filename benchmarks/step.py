@@ -228,6 +228,35 @@ def work_of(prompt_len, completion_len) -> dict:
 # -- workers -------------------------------------------------------------------------------------
 
 
+def module_groups(spec: dict) -> dict:
+    """lldslight's side as GRPOModule's argument groups (policy, update, optim): one learning-rate
+    step with micro-batches of ``micro_batch`` rows, no entropy term, the KL pass when beta > 0."""
+    from lldslight.optim import OptimConfig
+    from lldslight.policy import LoRAConfig, PolicyConfig
+    from lldslight.update import UpdateConfig
+
+    return dict(
+        policy=PolicyConfig(
+            model=spec["model_dir"],
+            precision=LLDSLIGHT_PRECISION[spec.get("precision", "fp32")],
+            lora=LoRAConfig(r=spec["lora_r"], alpha=2 * spec["lora_r"]),
+            gradient_checkpointing=spec.get("checkpointing", True),
+            activation_budget_mb=spec.get("activation_budget_mb", 256.0),
+        ),
+        update=UpdateConfig(
+            updates_per_rollout=1,
+            micro_batch_size=spec["micro_batch"],
+            micro_batch_tokens=spec.get("micro_batch_tokens") or None,
+            kl_coef=spec["beta"],
+            aggregation="seq-mean-token-mean",
+            grad_clip=1.0,
+            shared_prefix=spec.get("shared_prefix", True),
+        ),
+        optim=OptimConfig(lr=1e-5),
+        **({"logprob_chunk_size": spec["logprob_chunk_size"]} if spec.get("logprob_chunk_size") else {}),
+    )
+
+
 def worker_lldslight(spec: dict) -> dict:
     import torch
 
@@ -237,7 +266,6 @@ def worker_lldslight(spec: dict) -> dict:
     from lldslight.callbacks import SearchRollout
     from lldslight.data.example import QAExample
     from lldslight.module import GRPOModule
-    from lldslight.policy import LoRAConfig, PolicyConfig
     from lldslight.rollout import RolloutConfig
 
     class NoSearch:
@@ -290,24 +318,7 @@ def worker_lldslight(spec: dict) -> dict:
         for module_name, path, name in LLDSLIGHT_LABELS:
             labels.wrap(*profiled_target(module_name, path), name)
 
-    module = BenchModule(
-        policy=PolicyConfig(
-            model=spec["model_dir"],
-            precision=LLDSLIGHT_PRECISION[spec.get("precision", "fp32")],
-            lora=LoRAConfig(r=spec["lora_r"], alpha=2 * spec["lora_r"]),
-            gradient_checkpointing=spec.get("checkpointing", True),
-            activation_budget_mb=spec.get("activation_budget_mb", 256.0),
-        ),
-        lr=1e-5,
-        updates_per_rollout=1,
-        micro_batch_size=spec["micro_batch"],
-        **({"micro_batch_tokens": spec["micro_batch_tokens"]} if spec.get("micro_batch_tokens") else {}),
-        **({"logprob_chunk_size": spec["logprob_chunk_size"]} if spec.get("logprob_chunk_size") else {}),
-        kl_coef=spec["beta"],
-        aggregation="seq-mean-token-mean",
-        grad_clip=1.0,
-        shared_prefix=spec.get("shared_prefix", True),
-    )
+    module = BenchModule(**module_groups(spec))
     rollout = RolloutConfig(
         group_size=spec["group_size"],
         max_turns=0,
@@ -681,7 +692,7 @@ def profile(args, spec: dict, sides: list[str], pythons: dict) -> None:
                      f"(profiled total {res['profile']['total_s']:.1f} s); load average {load['loadavg_start'][0]:.2f}, "
                      f"other processes {load['other_cores']:.2f} cores")
         if args.json:
-            Path(args.json).write_text(json.dumps({"config": spec, "profile": {side: res["profile"]}, "step": step}, indent=1))
+            Path(args.json).write_text(json.dumps({"config": recorded(spec), "profile": {side: res["profile"]}, "step": step}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -764,7 +775,7 @@ def main(argv: list[str] | None = None) -> None:
         profile(args, dict(spec, precision=precisions[0]), sides, pythons)
         return
     policy = harness.policy_from_args(args)
-    report: dict = {"config": {k: v for k, v in spec.items() if k != "prompts"}, "machine": machine(), "precisions": {}}
+    report: dict = {"config": recorded(spec), "machine": machine(), "precisions": {}}
     measured_bounds: dict = {}
     for precision in precisions:
         runs_p = report["precisions"][precision] = {"threads": {}}
@@ -815,16 +826,29 @@ def closing_note(report: dict) -> list[str]:
     return lines
 
 
+def recorded(spec: dict) -> dict:
+    """The settings as a report keeps them: without the prompts, the model's cache folder under
+    "~" (a committed report names no machine's home)."""
+    out = {k: v for k, v in spec.items() if k != "prompts"}
+    home = str(Path.home())
+    if str(out.get("model_dir", "")).startswith(home + os.sep):
+        out["model_dir"] = "~" + out["model_dir"][len(home):]
+    return out
+
+
 def machine() -> dict:
     import platform
 
     import torch
+
+    from lldslight.policy import cpu_description
 
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        **cpu_description(),
     }
 
 

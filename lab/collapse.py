@@ -212,15 +212,10 @@ def machine() -> dict:
     """What "the same machine" means for a chaotic run: CPU model and flags, BLAS, library versions."""
     import torch
 
+    from lldslight.policy import cpu_description
+
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        info["cpu_model"] = next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith("model name")), None)
-        flags = next((l.split(":", 1)[1].split() for l in cpuinfo.splitlines() if l.startswith("flags")), [])
-        info["cpu_flags_simd"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
-    except OSError:
-        pass
+            **cpu_description()}
     config = torch.__config__.show()
     info["blas"] = next((l.strip() for l in config.splitlines() if "BLAS_INFO" in l), None)
     info["mkldnn"] = torch.backends.mkldnn.is_available()

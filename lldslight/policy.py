@@ -215,15 +215,26 @@ def cpu_bf16_support() -> Bf16Support:
     return Bf16Support(native, "cpu", evidence)
 
 
-def _proc_cpu_flags() -> set[str]:
+def _proc_cpu_field(*names: str) -> Optional[str]:
+    """The first /proc/cpuinfo line starting with one of ``names``, its value (None off Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(names)), None)
+
+
+def _proc_cpu_flags() -> set[str]:
+    return set((_proc_cpu_field("flags", "Features") or "").split())
+
+
+def cpu_description() -> dict:
+    """The CPU a figure was measured on, as benchmarks and lab runs record it: machines of one
+    kind differ (AVX512-BF16 with or without AMX, AVX2 only), and a speed or a chaotic run holds on
+    its own kind. The SIMD flags are the ones that decide kernels: avx*, amx*, fma, sse4*."""
+    simd = sorted(f for f in _proc_cpu_flags() if f.startswith(("avx", "amx", "fma", "sse4")))
+    return {"cpu_model": _proc_cpu_field("model name"), "cpu_flags_simd": simd,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16": cpu_bf16_support().evidence}
 
 
 def cuda_bf16_support() -> Bf16Support:

@@ -181,3 +181,75 @@ def test_profiled_phases_are_on_the_libraries_code_path(step):
     assert "prepare(module, traj" in inspect.getsource(update.train_on_rollout)
     with pytest.raises(AttributeError, match="update LLDSLIGHT_LABELS"):
         step.profiled_target("lldslight.module", "GRPOModule.prepare_rollout")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_lldslight_side_builds_the_module_it_says(step, shared):
+    """The lldslight worker's arguments are GRPOModule's own (a renamed or regrouped key fails here,
+    not an hour into a benchmark) and carry the spec: the shared prefix on / off, micro-batches, KL,
+    precision."""
+    from lldslight.module import GRPOModule
+
+    spec = {"model_dir": "unused-until-setup", "precision": "bf16", "lora_r": 4, "micro_batch": 3, "beta": 0.0,
+            "shared_prefix": shared, "micro_batch_tokens": 0, "logprob_chunk_size": 512}
+    module = GRPOModule(**step.module_groups(spec))
+    u = module.update_config
+    assert (u.shared_prefix, u.micro_batch_size, u.micro_batch_tokens, u.kl_coef, u.updates_per_rollout) == (shared, 3, None, 0.0, 1)
+    assert module.hparams["policy"].precision == "bf16-mixed" and module.hparams["policy"].lora.r == 4
+    assert module.optim_config.lr == 1e-5 and module.hparams["logprob_chunk_size"] == 512
+
+
+def test_machine_records_the_cpus_simd_flags(step):
+    """Every figure carries the CPU it was measured on: the model and the SIMD flags, read here
+    from /proc/cpuinfo by hand."""
+    from pathlib import Path
+
+    m = step.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines()
+    flags = set(next(l for l in lines if l.startswith("flags")).split(":", 1)[1].split())
+    assert m["cpu_flags_simd"] == sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))
+    assert m["cpu_model"] == next(l for l in lines if l.startswith("model name")).split(":", 1)[1].strip()
+    assert m["cpu_capability"] and m["cpu_bf16"]
+
+
+def test_speed_doc_quotes_the_committed_bf16_json():
+    """docs/speed.md's 2026-12-04 tables, recomputed by hand from docs/step_epyc_bf16.json's kept
+    attempts (statistics.median per side, not the harness's summaries): the step per side, the
+    ratios, and the split of the time saved."""
+    import statistics
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "docs" / "step_epyc_bf16.json").read_text())
+    assert "avx512_bf16" in data["machine"]["cpu_flags_simd"]
+    doc = (root / "docs" / "speed.md").read_text()
+    for threads, res in data["precisions"]["bf16"]["threads"].items():
+        assert res["quiet"]["quiet"]
+        kept = [a for a in res["attempts"] if a["kept"]]
+
+        def med(side, key):
+            return statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+
+        step = {s: med(s, "step_s") for s in ("lldslight", "lldslight-auto", "lldslight-unshared", "trl")}
+        gen = {s: med(s, "generation_s") for s in ("lldslight", "trl")}
+        upd = {s: med(s, "update_s") for s in ("lldslight", "lldslight-unshared", "trl")}
+        row = (f"| {threads} | {step['lldslight']:.2f} / {step['lldslight-auto']:.2f} / {step['lldslight-unshared']:.2f} / {step['trl']:.2f} "
+               f"| **{step['lldslight'] / step['trl']:.2f}** ({step['lldslight-auto'] / step['trl']:.2f}; {step['lldslight-unshared'] / step['trl']:.2f}) "
+               f"| {gen['lldslight']:.2f} / {gen['trl']:.2f} | {upd['lldslight']:.2f} / {upd['lldslight-unshared']:.2f} / {upd['trl']:.2f} "
+               f"| {step['lldslight'] / step['lldslight-unshared']:.2f}, {upd['lldslight'] / upd['lldslight-unshared']:.2f} |")
+        assert row in doc, row
+        saved = step["trl"] - step["lldslight"]
+        parts = (gen["trl"] - gen["lldslight"], upd["lldslight-unshared"] - upd["lldslight"], upd["trl"] - upd["lldslight-unshared"])
+        split = f"| {threads} | {saved:.2f} s | " + " | ".join(f"{p:.2f} s ({100 * p / saved:.0f}%)" for p in parts) + " |"
+        assert split in doc, split
+
+
+def test_report_names_no_home_folder(step):
+    from pathlib import Path
+
+    spec = {"model_dir": str(Path.home() / ".cache" / "lldslight" / "models" / "m"), "prompts": ["x"], "lora_r": 16}
+    assert step.recorded(spec) == {"model_dir": "~/.cache/lldslight/models/m", "lora_r": 16}
+    assert step.recorded({"model_dir": "/elsewhere/m"})["model_dir"] == "/elsewhere/m"
