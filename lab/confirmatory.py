@@ -1,0 +1,195 @@
+"""C1's registered analysis (lab/archive/collapse/CONFIRMATORY.md): does LLDS prevent the collapse at 5e-4?
+
+    python lab/confirmatory.py                 # prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
+
+Everything is recomputed from the archived per-step metrics with the registered rule
+(``lldslight.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
+runs (seeds 20-29, GRPO and LLDS) are archived the set is *partial*: the runs are listed and no
+test is computed, as registered. Then:
+
+- **the one primary test**: collapsed-by-H, GRPO vs LLDS, one-sided at 0.05: Fisher's exact test if
+  every seed ran on one machine kind, else the exact stratified test with machine kind as the
+  stratum (``collapse.fisher_stratified_one_sided``). A machine kind is a CPU model with its SIMD
+  flags (each run's ``machine_kind`` in collapse.json) and the digests of the inits built on it;
+  runs of one CPU kind whose inits differ (another machine of the same kind) are another stratum;
+- **the horizon rule**: GRPO's median time to collapse (held runs counted at H) <= H / 2 = 550,
+  else "horizon too short" whatever the test says;
+- **secondaries** (values, no claim): RMST difference LLDS - GRPO with a 2,000-resample paired
+  bootstrap interval; the exact paired permutation test on the last-100 reward; the paired sign test
+  on times to collapse; the hold-20 counts and test; per arm the median over runs of each run's
+  median ``drift/kl_k3_last``.
+
+The verdict's words are the registration's: "LLDS prevented the collapse within 1,100 steps" only
+if the primary test passes and the horizon rule holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from lldslight import collapse as C
+
+ROOT = Path(__file__).resolve().parents[1]
+SET = ROOT / "lab" / "archive" / "collapse" / "c1_5e-4"
+SEEDS = tuple(range(20, 30))
+ARMS = ("grpo", "llds")
+HORIZON = 1100
+HOLD = 30
+ALPHA = 0.05
+
+
+def run_outcome(run: Path, hold: int) -> dict:
+    """One archived run: time to collapse (censored at H), collapsed by H, last-100 reward, drift."""
+    train = C.training_rows(C.read_metrics(run))
+    train = train[train.index < HORIZON]
+    summary = C.summarise(train, C.CollapseCriteria(hold=hold))
+    time, collapsed = C.time_to_collapse(summary, HORIZON)
+    drift = C.column(train, "drift/kl_k3_last")
+    drift = [d for d in drift or [] if C.finite(d)]
+    return {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
+            "drift_kl_k3_median": statistics.median(drift) if drift else None}
+
+
+def machine_kinds(meta_runs: dict) -> dict[str, tuple]:
+    """run name ("grpo/seed20") -> its stratum: (CPU model, SIMD flags, the inits' digests on that
+    machine). Inits are built per machine, so a CPU kind whose runs show two digests for one init
+    path ran on two machines: the digest map splits it."""
+    by_cpu: dict[tuple, dict[str, set]] = {}
+    for name, r in meta_runs.items():
+        k = r.get("machine_kind") or {}
+        cpu = (k.get("cpu_model"), tuple(k.get("cpu_flags_simd") or ()))
+        by_cpu.setdefault(cpu, {}).setdefault(k.get("init"), set()).add(k.get("init_digest"))
+    out = {}
+    for name, r in meta_runs.items():
+        k = r.get("machine_kind") or {}
+        cpu = (k.get("cpu_model"), tuple(k.get("cpu_flags_simd") or ()))
+        split = any(len(d) > 1 for d in by_cpu[cpu].values())
+        out[name] = cpu + ((k.get("init"), k.get("init_digest")) if split else ())
+    return out
+
+
+def primary(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> dict:
+    """The registered primary test on complete, paired outcomes (arm -> seed -> outcome)."""
+    strata: dict[tuple, list[int]] = {}
+    for seed in sorted(outcomes["grpo"]):
+        strata.setdefault(kinds[seed], []).append(seed)
+    cells = [(sum(outcomes["grpo"][s]["collapsed"] for s in seeds), len(seeds),
+              sum(outcomes["llds"][s]["collapsed"] for s in seeds), len(seeds)) for seeds in strata.values()]
+    stratified = len(cells) > 1
+    p = C.fisher_stratified_one_sided(cells) if stratified else C.fisher_one_sided(*cells[0])
+    return {"test": "exact stratified (machine kind)" if stratified else "Fisher exact", "one_sided": True,
+            "strata": [{"kind": list(map(str, k)), "seeds": s, "grpo_collapsed": c[0], "llds_collapsed": c[2], "n": c[1]}
+                       for (k, s), c in zip(strata.items(), cells)],
+            "p": p, "alpha": ALPHA, "passes": p <= ALPHA}
+
+
+def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], hold20: Optional[dict[str, dict[int, dict]]] = None) -> dict:
+    """The registered analysis of complete outcomes (arm -> seed -> run_outcome), seed -> stratum."""
+    seeds = sorted(outcomes["grpo"])
+    g, l = outcomes["grpo"], outcomes["llds"]
+    grpo_median = statistics.median(g[s]["time"] for s in seeds)
+    test = primary(outcomes, kinds)
+    horizon_ok = grpo_median <= HORIZON / 2
+    if test["passes"] and horizon_ok:
+        verdict = "LLDS prevented the collapse within 1,100 steps"
+    elif test["passes"]:
+        verdict = "horizon too short: no prevention claimed"
+    else:
+        verdict = "not supported: the primary test did not pass"
+    out = {
+        "seeds": seeds, "horizon": HORIZON, "hold": HOLD,
+        "collapsed": {arm: sum(outcomes[arm][s]["collapsed"] for s in seeds) for arm in ARMS},
+        "primary": test,
+        "grpo_median_time": grpo_median, "horizon_rule_holds": horizon_ok,
+        "verdict": verdict,
+        "secondary": {
+            "rmst_difference": C.rmst_difference([(g[s]["time"], g[s]["collapsed"]) for s in seeds],
+                                                 [(l[s]["time"], l[s]["collapsed"]) for s in seeds], HORIZON, n_boot=2000),
+            "final_reward_permutation": C.paired_permutation([g[s]["final_reward"] or 0.0 for s in seeds],
+                                                             [l[s]["final_reward"] or 0.0 for s in seeds]),
+            "sign_test": C.sign_test([(g[s]["time"], l[s]["time"]) for s in seeds]),
+            "drift_kl_k3_median": {arm: statistics.median(v) if (v := [outcomes[arm][s]["drift_kl_k3_median"] for s in seeds
+                                                                       if outcomes[arm][s]["drift_kl_k3_median"] is not None]) else None
+                                   for arm in ARMS},
+        },
+    }
+    if hold20 is not None:
+        out["secondary"]["hold20"] = {"collapsed": {arm: sum(hold20[arm][s]["collapsed"] for s in seeds) for arm in ARMS},
+                                      "p": primary(hold20, kinds)["p"]}
+    return out
+
+
+def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
+    """(outcomes at hold 30, outcomes at hold 20, seed -> stratum, missing runs) from the archive."""
+    meta_runs = json.loads((path / "collapse.json").read_text())["meta"].get("runs", {})
+    kind_of = machine_kinds(meta_runs)
+    outcomes: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
+    hold20: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
+    missing, kinds = [], {}
+    for arm in ARMS:
+        for seed in SEEDS:
+            run = path / arm / f"seed{seed}"
+            if not any(run.glob("metrics.csv*")):
+                missing.append(f"{arm}/seed{seed}")
+                continue
+            outcomes[arm][seed] = run_outcome(run, HOLD)
+            hold20[arm][seed] = run_outcome(run, 20)
+            kinds.setdefault(seed, set()).add(kind_of.get(f"{arm}/seed{seed}"))
+    for seed, k in kinds.items():
+        if len(k) != 1:
+            raise SystemExit(f"confirmatory: seed {seed}'s arms ran on different machine kinds {sorted(map(str, k))}: "
+                             "the registration pairs a seed's arms on one machine")
+    return outcomes, hold20, {s: next(iter(k)) for s, k in kinds.items()}, missing
+
+
+def report(path: Path = SET) -> dict:
+    outcomes, hold20, kinds, missing = load(path)
+    runs = [{"arm": arm, "seed": s, **o, "machine_kind": list(map(str, kinds[s]))} for arm in ARMS for s, o in sorted(outcomes[arm].items())]
+    if missing:
+        return {"status": "partial", "archived": len(runs), "registered": len(ARMS) * len(SEEDS), "missing": missing,
+                "runs": runs, "note": "no test is computed on a partial set (CONFIRMATORY.md)"}
+    return {"status": "complete", "runs": runs, **analyse(outcomes, kinds, hold20)}
+
+
+def text(rep: dict) -> str:
+    lines = ["| arm | seed | collapsed by H (hold 30) | time | last-100 reward | median drift k3 | machine kind |", "|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        lines.append(f"| {r['arm']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} | "
+                     f"{r['final_reward']:.3f} | {r['drift_kl_k3_median'] if r['drift_kl_k3_median'] is None else format(r['drift_kl_k3_median'], '.4f')} "
+                     f"| {r['machine_kind'][0]}, {'avx512_bf16' if 'avx512_bf16' in r['machine_kind'][1] else 'avx2 only' if 'avx2' in r['machine_kind'][1] else r['machine_kind'][1]} |")
+    if rep["status"] == "partial":
+        lines.append(f"\nPartial: {rep['archived']} of {rep['registered']} runs archived; {rep['note']}.")
+        return "\n".join(lines) + "\n"
+    p, s = rep["primary"], rep["secondary"]
+    rd, perm = s["rmst_difference"], s["final_reward_permutation"]
+    lines += ["", f"Collapsed by H: GRPO {rep['collapsed']['grpo']} of 10, LLDS {rep['collapsed']['llds']} of 10.",
+              f"Primary ({p['test']}, one-sided): p = {p['p']:.4f} at {p['alpha']} -> {'passes' if p['passes'] else 'does not pass'}.",
+              f"Horizon rule: GRPO median time {rep['grpo_median_time']:.0f} vs H / 2 = {HORIZON / 2:.0f}: "
+              f"{'holds' if rep['horizon_rule_holds'] else 'broken'}.",
+              f"Verdict: {rep['verdict']}.",
+              f"Secondary: RMST difference {rd['diff']:+.0f} steps [{rd['low']:+.0f}, {rd['high']:+.0f}] (paired bootstrap); "
+              f"last-100 reward LLDS - GRPO {perm['mean_diff']:+.3f}, paired permutation p = {perm['p']:.3f}; "
+              f"sign test {s['sign_test']['wins']}-{s['sign_test']['losses']}, p = {s['sign_test']['p']:.3f}"
+              + (f"; hold 20: {s['hold20']['collapsed']['grpo']} vs {s['hold20']['collapsed']['llds']}, p = {s['hold20']['p']:.4f}" if "hold20" in s else "")
+              + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
+    parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json)")
+    args = parser.parse_args(argv)
+    rep = report(args.set)
+    print(text(rep), end="")
+    path = args.json or args.set / "c1.json"
+    path.write_text(json.dumps(rep, indent=1) + "\n")
+    print(f"json: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

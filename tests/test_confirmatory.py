@@ -1,0 +1,117 @@
+"""lab/confirmatory.py, C1's registered analysis: the stratified exact test against an independent
+enumeration, the registration's own worked figures, the verdict rules, the machine-kind strata,
+and the partial / complete report on copies of the committed archive."""
+import itertools
+import json
+import shutil
+
+import pytest
+from conftest import ROOT, load_lab
+
+SET = ROOT / "lab" / "archive" / "collapse" / "c1_5e-4"
+
+
+@pytest.fixture(scope="module")
+def conf():
+    return load_lab("confirmatory")
+
+
+def outcome(collapsed: bool, time: float = 500.0, reward: float = 0.1) -> dict:
+    return {"time": time if collapsed else 1100.0, "collapsed": collapsed, "final_reward": reward, "drift_kl_k3_median": 0.001}
+
+
+def arms(grpo: list[bool], llds: list[bool], seeds=range(20, 30)) -> dict:
+    return {"grpo": {s: outcome(c) for s, c in zip(seeds, grpo)}, "llds": {s: outcome(c, reward=0.3) for s, c in zip(seeds, llds)}}
+
+
+def enumerated_p(strata: list[tuple[list[bool], list[bool]]]) -> float:
+    """P(summed GRPO collapses >= observed) given every stratum's margins, by listing every way to
+    place each stratum's collapses among its runs (all equally likely under the null)."""
+    per_stratum = []
+    for g, l in strata:
+        runs, k = len(g) + len(l), sum(g) + sum(l)
+        counts = [sum(1 for i in chosen if i < len(g)) for chosen in itertools.combinations(range(runs), k)]
+        per_stratum.append(counts)
+    observed = sum(sum(g) for g, _ in strata)
+    total = hits = 0
+    for combo in itertools.product(*per_stratum):
+        total += 1
+        hits += sum(combo) >= observed
+    return hits / total
+
+
+def test_registration_worked_figures(conf):
+    """CONFIRMATORY.md: 8 of 10 vs 2 of 10 gives p = 0.012; 6 of 10 vs 2 of 10, p = 0.085 (one machine)."""
+    kinds = {s: ("cpu", ()) for s in range(20, 30)}
+    p8 = conf.primary(arms([True] * 8 + [False] * 2, [True] * 2 + [False] * 8), kinds)
+    p6 = conf.primary(arms([True] * 6 + [False] * 4, [True] * 2 + [False] * 8), kinds)
+    assert p8["test"] == "Fisher exact" and round(p8["p"], 3) == 0.012 and p8["passes"]
+    assert round(p6["p"], 3) == 0.085 and not p6["passes"]
+
+
+def test_stratified_test_equals_an_enumeration(conf):
+    """Seeds 20-23 on one machine kind, 24-29 on another: the exact stratified p equals listing
+    every placement of each stratum's collapses."""
+    grpo = [True, True, True, True, True, False, True, True, False, True]
+    llds = [False, False, True, False, False, False, True, False, False, False]
+    kinds = {s: ("avx2", ()) if s < 24 else ("avx512", ()) for s in range(20, 30)}
+    got = conf.primary(arms(grpo, llds), kinds)
+    assert got["test"] == "exact stratified (machine kind)" and [s["n"] for s in got["strata"]] == [4, 6]
+    want = enumerated_p([(grpo[:4], llds[:4]), (grpo[4:], llds[4:])])
+    assert got["p"] == pytest.approx(want, rel=1e-9)
+    # pooling the strata would be a different (wrong) test here
+    assert got["p"] != pytest.approx(enumerated_p([(grpo, llds)]), rel=1e-6)
+
+
+def test_verdict_words_follow_the_test_and_the_horizon_rule(conf):
+    kinds = {s: ("cpu", ()) for s in range(20, 30)}
+    early = arms([True] * 9 + [False], [False] * 10)  # GRPO median time 500 <= 550
+    assert conf.analyse(early, kinds)["verdict"] == "LLDS prevented the collapse within 1,100 steps"
+    late = arms([True] * 9 + [False], [False] * 10)
+    for s in late["grpo"]:
+        late["grpo"][s]["time"] = 800.0 if late["grpo"][s]["collapsed"] else 1100.0
+    rep = conf.analyse(late, kinds)
+    assert not rep["horizon_rule_holds"] and rep["verdict"] == "horizon too short: no prevention claimed"
+    assert conf.analyse(arms([True] * 5 + [False] * 5, [True] * 4 + [False] * 6), kinds)["verdict"].startswith("not supported")
+
+
+def test_machine_kind_splits_a_cpu_kind_whose_inits_differ(conf):
+    def run(flags, init, digest):
+        return {"machine_kind": {"cpu_model": "EPYC", "cpu_flags_simd": flags, "init": init, "init_digest": digest}}
+
+    one = conf.machine_kinds({"grpo/seed20": run(["avx2"], "q0", "a"), "grpo/seed21": run(["avx2"], "q1", "b"),
+                              "grpo/seed24": run(["avx512_bf16"], "q0", "c")})
+    assert one["grpo/seed20"] == one["grpo/seed21"] != one["grpo/seed24"]
+    two = conf.machine_kinds({"grpo/seed20": run(["avx2"], "q0", "a"), "grpo/seed22": run(["avx2"], "q0", "z")})
+    assert two["grpo/seed20"] != two["grpo/seed22"]
+
+
+@pytest.mark.skipif(not (SET / "collapse.json").is_file(), reason="C1's archive is not in this checkout")
+def test_report_on_copies_of_the_archive(conf, tmp_path):
+    """The committed archive as it stands is partial (no test); a copy completed with renamed copies
+    of its own runs gets the full analysis, recomputed from the metrics."""
+    part = tmp_path / "part"
+    shutil.copytree(SET, part)
+    rep = conf.report(part)
+    if rep["status"] == "partial":
+        assert "primary" not in rep and rep["archived"] + len(rep["missing"]) == 20
+    meta = json.loads((part / "collapse.json").read_text())
+    have = sorted({int(p.name[4:]) for p in (part / "grpo").glob("seed*") if (part / "llds" / p.name).is_dir()})
+    for i, seed in enumerate(range(20, 30)):
+        if seed in have:
+            continue
+        src = have[i % len(have)]
+        for arm in ("grpo", "llds"):
+            shutil.copytree(part / arm / f"seed{src}", part / arm / f"seed{seed}", dirs_exist_ok=True)
+            meta["meta"]["runs"][f"{arm}/seed{seed}"] = meta["meta"]["runs"][f"{arm}/seed{src}"]
+    (part / "collapse.json").write_text(json.dumps(meta))
+    full = conf.report(part)
+    assert full["status"] == "complete" and len(full["runs"]) == 20
+    g = [r for r in full["runs"] if r["arm"] == "grpo"]
+    assert full["collapsed"]["grpo"] == sum(r["collapsed"] for r in g)
+    # the hold-30 outcome of each run matches the runner's own summary at the registered hold
+    runner = {(r["arm"], r["seed"]): r for r in json.loads((SET / "collapse.json").read_text())["runs"]}
+    for r in full["runs"]:
+        if (r["arm"], r["seed"]) in runner and r["seed"] in have:
+            assert r["collapsed"] == runner[(r["arm"], r["seed"])]["collapsed_by_horizon"], (r["arm"], r["seed"])
+    assert 0 < full["primary"]["p"] <= 1 and "rmst_difference" in full["secondary"]
