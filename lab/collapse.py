@@ -524,7 +524,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold
-    report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
+    # Arm by arm, as --report-only orders them: the committed report is the same whichever wrote it.
+    report(archive, sorted(jobs, key=lambda j: (arms.index(j[0]), j[1])), labels, meta["baseline"], horizon, meta,
+           C.CollapseCriteria(hold=meta["hold"]))
     failed = [n for n, r in meta["runs"].items() if "error" in r]
     if failed:
         print(f"collapse: {len(failed)} run(s) failed: {', '.join(failed)} (see collapse.md)", file=sys.stderr)

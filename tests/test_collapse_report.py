@@ -96,12 +96,14 @@ def test_archive_is_byte_stable(collapse, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
-    """At toy size: knowledge base, warm start, 2 arms x 1 seed two at a time from the warm-started
-    weights, archived metrics, the report; --report-only redoes it from the archive alone."""
+    """At toy size: knowledge base, warm start, 2 arms x 2 seeds two at a time from the warm-started
+    weights, archived metrics, the report; --report-only redoes it from the archive alone, the same
+    report byte for byte (a run and a later --report-only list the runs in one order)."""
     out, archive = tmp_path / "runs", tmp_path / "archive"
-    assert collapse.main(["--smoke", "--steps", "2", "--out", str(out), "--archive", str(archive)]) == 0
+    assert collapse.main(["--smoke", "--steps", "2", "--seeds", "0", "1", "--out", str(out), "--archive", str(archive)]) == 0
     result = json.loads((archive / "collapse.json").read_text())
-    assert [(r["arm"], r["seed"]) for r in result["runs"]] == [("grpo", 0), ("llds", 0)]
+    assert [(r["arm"], r["seed"]) for r in result["runs"]] == [("grpo", 0), ("grpo", 1), ("llds", 0), ("llds", 1)]
+    written = (archive / "collapse.md").read_text()
     assert all("error" not in r and r["steps"] == 2 for r in result["runs"])
     assert (archive / "llds" / "seed0" / "metrics.csv.gz").is_file()
     assert "LLDS" in (collapse.run_dir(out, "llds", 0) / "config.yaml").read_text()
@@ -115,7 +117,7 @@ def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
     (archive / "collapse.md").unlink()
     assert collapse.main(["--report-only", "--archive", str(archive), "--out", str(out)]) == 0
     again = json.loads((archive / "collapse.json").read_text())
-    assert again["runs"] == result["runs"] and (archive / "collapse.md").is_file()
+    assert again["runs"] == result["runs"] and (archive / "collapse.md").read_text() == written
 
 
 def test_alarm_scoring_by_hand() -> None:
