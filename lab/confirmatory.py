@@ -1,6 +1,8 @@
-"""C1's registered analysis (lab/archive/collapse/CONFIRMATORY.md): does LLDS prevent the collapse at 5e-4?
+"""The registered analyses of lab/archive/collapse/CONFIRMATORY.md: C1 (does LLDS prevent the collapse
+at 5e-4?) and C2's goal (does a drift bound keep every starting rate from collapsing?).
 
-    python lab/confirmatory.py                 # prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
+    python lab/confirmatory.py                 # C1: prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
+    python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json
 
 Everything is recomputed from the archived per-step metrics with the registered rule
 (``lldslight.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
@@ -21,6 +23,12 @@ test is computed, as registered. Then:
 
 The verdict's words are the registration's: "LLDS prevented the collapse within 1,100 steps" only
 if the primary test passes and the horizon rule holds.
+
+C2 has no primary test. Its goal, per starting rate (5e-4, 1e-3): (i) the bound arm collapses by H
+in 0 of its 5 seeds (20-24), and (ii) the mean paired difference in last-100 reward, bound arm minus
+GRPO at 2.5e-4, is >= 0 (reported with its 95% t interval, 4 degrees of freedom); met only if both
+hold at both rates. Beside it: plain GRPO at the same rate (at 5e-4, C1's GRPO runs) with a
+descriptive one-sided Fisher p, and the bound arms' rate, updates per batch and drift.
 """
 from __future__ import annotations
 
@@ -33,12 +41,18 @@ from typing import Optional
 from lldslight import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
-SET = ROOT / "lab" / "archive" / "collapse" / "c1_5e-4"
+LAB = ROOT / "lab" / "archive" / "collapse"
+SET = LAB / "c1_5e-4"
 SEEDS = tuple(range(20, 30))
 ARMS = ("grpo", "llds")
 HORIZON = 1100
 HOLD = 30
 ALPHA = 0.05
+C2_SEEDS = tuple(range(20, 25))
+# C2's archives per (arm, starting rate), as registered: GRPO at 5e-4 is C1's GRPO column.
+C2_SETS = {("bound", "5e-4"): ("c2_5e-4", "bound"), ("bound", "1e-3"): ("c2_1e-3", "bound"),
+           ("grpo", "5e-4"): ("c1_5e-4", "grpo"), ("grpo", "1e-3"): ("c2_1e-3", "grpo"), ("grpo", "2.5e-4"): ("c2_2.5e-4", "grpo")}
+T975_DF4 = 2.776  # Student's t, two-sided 95%, 4 degrees of freedom (tables; scipy is not needed for one number)
 
 
 def run_outcome(run: Path, hold: int) -> dict:
@@ -49,8 +63,12 @@ def run_outcome(run: Path, hold: int) -> dict:
     time, collapsed = C.time_to_collapse(summary, HORIZON)
     drift = C.column(train, "drift/kl_k3_last")
     drift = [d for d in drift or [] if C.finite(d)]
-    return {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
-            "drift_kl_k3_median": statistics.median(drift) if drift else None}
+    out = {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
+           "drift_kl_k3_median": statistics.median(drift) if drift else None}
+    for key, name in (("train/lr", "lr_median"), ("drift/updates", "updates_median")):
+        values = [v for v in C.column(train, key) or [] if C.finite(v)]
+        out[name] = statistics.median(values) if values else None
+    return out
 
 
 def machine_kinds(meta_runs: dict) -> dict[str, tuple]:
@@ -135,6 +153,9 @@ def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
             if not any(run.glob("metrics.csv*")):
                 missing.append(f"{arm}/seed{seed}")
                 continue
+            if f"{arm}/seed{seed}" not in kind_of:  # archived while its pair still runs: the runner records it at the pair's end
+                missing.append(f"{arm}/seed{seed} (pair unfinished)")
+                continue
             outcomes[arm][seed] = run_outcome(run, HOLD)
             hold20[arm][seed] = run_outcome(run, 20)
             kinds.setdefault(seed, set()).add(kind_of.get(f"{arm}/seed{seed}"))
@@ -178,14 +199,81 @@ def text(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
+    """C2's registered goal from complete outcomes: (arm, rate) -> seed -> run_outcome."""
+    seeds = sorted(outcomes[("grpo", "2.5e-4")])
+    safe = outcomes[("grpo", "2.5e-4")]
+    rates = {}
+    for rate in ("5e-4", "1e-3"):
+        bound, plain = outcomes[("bound", rate)], outcomes[("grpo", rate)]
+        diffs = [(bound[s]["final_reward"] or 0.0) - (safe[s]["final_reward"] or 0.0) for s in seeds]
+        mean = statistics.fmean(diffs)
+        half = T975_DF4 * statistics.stdev(diffs) / len(diffs) ** 0.5
+        collapsed = sum(bound[s]["collapsed"] for s in seeds)
+        rates[rate] = {
+            "bound_collapsed": collapsed, "n": len(seeds), "held_all": collapsed == 0,
+            "reward_vs_2.5e-4": {"mean_diff": mean, "low": mean - half, "high": mean + half, "at_least_safe_rate": mean >= 0},
+            "grpo_collapsed": sum(plain[s]["collapsed"] for s in seeds),
+            "fisher_p_grpo_vs_bound": C.fisher_one_sided(sum(plain[s]["collapsed"] for s in seeds), len(seeds), collapsed, len(seeds)),
+            "bound_lr_median": statistics.median(v) if (v := [bound[s]["lr_median"] for s in seeds if bound[s]["lr_median"] is not None]) else None,
+            "bound_updates_median": statistics.median(v) if (v := [bound[s]["updates_median"] for s in seeds if bound[s]["updates_median"] is not None]) else None,
+            "bound_drift_median": statistics.median(v) if (v := [bound[s]["drift_kl_k3_median"] for s in seeds if bound[s]["drift_kl_k3_median"] is not None]) else None,
+        }
+    met = all(r["held_all"] and r["reward_vs_2.5e-4"]["at_least_safe_rate"] for r in rates.values())
+    return {"seeds": seeds, "horizon": HORIZON, "hold": HOLD, "rates": rates, "goal_met": met,
+            "safe_rate_collapsed": sum(safe[s]["collapsed"] for s in seeds)}
+
+
+def c2_report(lab: Path = LAB) -> dict:
+    outcomes: dict[tuple[str, str], dict[int, dict]] = {}
+    missing = []
+    for key, (name, arm) in C2_SETS.items():
+        outcomes[key] = {}
+        for seed in C2_SEEDS:
+            run = lab / name / arm / f"seed{seed}"
+            if any(run.glob("metrics.csv*")):
+                outcomes[key][seed] = run_outcome(run, HOLD)
+            else:
+                missing.append(f"{name}/{arm}/seed{seed}")
+    runs = [{"arm": a, "rate": r, "seed": s, **o} for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
+    if missing:
+        return {"status": "partial", "archived": len(runs), "registered": len(C2_SETS) * len(C2_SEEDS), "missing": missing,
+                "runs": runs, "note": "the goal is evaluated on the complete set only (CONFIRMATORY.md)"}
+    return {"status": "complete", "runs": runs, **c2_goal(outcomes)}
+
+
+def c2_text(rep: dict) -> str:
+    lines = ["| arm | starting rate | seed | collapsed by H | time | last-100 reward | median lr | median updates |", "|---|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        lines.append(f"| {r['arm']} | {r['rate']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} | {r['final_reward']:.3f} "
+                     f"| {'n/a' if r['lr_median'] is None else format(r['lr_median'], '.2e')} | {'n/a' if r['updates_median'] is None else format(r['updates_median'], '.1f')} |")
+    if rep["status"] == "partial":
+        lines.append(f"\nPartial: {rep['archived']} of {rep['registered']} runs archived; {rep['note']}.")
+        return "\n".join(lines) + "\n"
+    lines.append("")
+    for rate, r in rep["rates"].items():
+        d = r["reward_vs_2.5e-4"]
+        lines.append(f"Bound from {rate}: collapsed {r['bound_collapsed']} of {r['n']} (plain GRPO {r['grpo_collapsed']} of {r['n']}, "
+                     f"Fisher p = {r['fisher_p_grpo_vs_bound']:.3f}, descriptive); last-100 reward minus GRPO at 2.5e-4: "
+                     f"{d['mean_diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}].")
+    lines.append(f"Goal (0 collapses and reward >= the safe rate's, at both starting rates): {'met' if rep['goal_met'] else 'not met'}.")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
-    parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json)")
+    parser.add_argument("--c2", action="store_true", help="C2's goal instead, from lab/archive/collapse/c2_* and C1's GRPO runs")
+    parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json; with --c2, c2.json beside the sets)")
     args = parser.parse_args(argv)
-    rep = report(args.set)
-    print(text(rep), end="")
-    path = args.json or args.set / "c1.json"
+    if args.c2:
+        rep = c2_report(args.set.parent)
+        print(c2_text(rep), end="")
+        path = args.json or args.set.parent / "c2.json"
+    else:
+        rep = report(args.set)
+        print(text(rep), end="")
+        path = args.json or args.set / "c1.json"
     path.write_text(json.dumps(rep, indent=1) + "\n")
     print(f"json: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     return 0

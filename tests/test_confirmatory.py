@@ -115,3 +115,33 @@ def test_report_on_copies_of_the_archive(conf, tmp_path):
         if (r["arm"], r["seed"]) in runner and r["seed"] in have:
             assert r["collapsed"] == runner[(r["arm"], r["seed"])]["collapsed_by_horizon"], (r["arm"], r["seed"])
     assert 0 < full["primary"]["p"] <= 1 and "rmst_difference" in full["secondary"]
+
+
+def c2_outcomes(bound_collapsed_1e3: int = 0, shift: float = 0.0) -> dict:
+    seeds = range(20, 25)
+    safe = {s: dict(outcome(False, reward=0.3), lr_median=2.5e-4, updates_median=8.0) for s in seeds}
+    # bound arms: rewards 0.4..0.8 (differences 0.1..0.5 against the safe rate's 0.3), minus ``shift``
+    bound = {s: dict(outcome(False, reward=0.4 + 0.1 * i - shift), lr_median=3e-4, updates_median=3.0) for i, s in enumerate(seeds)}
+    bound_1e3 = {s: dict(o, collapsed=i < bound_collapsed_1e3, time=400.0 if i < bound_collapsed_1e3 else 1100.0)
+                 for i, (s, o) in enumerate(bound.items())}
+    plain = {s: dict(outcome(True, reward=0.0), lr_median=5e-4, updates_median=8.0) for s in seeds}
+    return {("bound", "5e-4"): bound, ("bound", "1e-3"): bound_1e3, ("grpo", "5e-4"): plain, ("grpo", "1e-3"): plain,
+            ("grpo", "2.5e-4"): safe}
+
+
+def test_c2_goal_by_hand(conf):
+    """Differences 0.1, 0.2, 0.3, 0.4, 0.5: mean 0.3, sd sqrt(0.025) = 0.158114, half-width
+    2.776 x 0.158114 / sqrt(5) = 0.196293 (worked by hand)."""
+    rep = conf.c2_goal(c2_outcomes())
+    d = rep["rates"]["5e-4"]["reward_vs_2.5e-4"]
+    assert d["mean_diff"] == pytest.approx(0.3) and d["low"] == pytest.approx(0.103707, abs=1e-6) and d["high"] == pytest.approx(0.496293, abs=1e-6)
+    assert rep["goal_met"] and rep["rates"]["1e-3"]["grpo_collapsed"] == 5
+    assert rep["rates"]["5e-4"]["fisher_p_grpo_vs_bound"] == pytest.approx(1 / 252)  # 5 of 5 vs 0 of 5: 1 / C(10, 5)
+    assert not conf.c2_goal(c2_outcomes(bound_collapsed_1e3=1))["goal_met"]  # one collapse at 1e-3
+    assert not conf.c2_goal(c2_outcomes(shift=0.35))["goal_met"]  # mean difference -0.05 < 0
+
+
+def test_c2_report_is_partial_until_every_arm_is_archived(conf, tmp_path):
+    (tmp_path / "c1_5e-4").mkdir()
+    rep = conf.c2_report(tmp_path)
+    assert rep["status"] == "partial" and len(rep["missing"]) == 25 and "goal_met" not in rep
