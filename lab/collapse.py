@@ -369,8 +369,11 @@ def figure(runs: list[dict], archive: Path, labels: dict[str, str], crit: C.Coll
 def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], baseline: str, horizon: int, meta: dict,
            crit: C.CollapseCriteria = C.CollapseCriteria(), draw: bool = True) -> dict:
     """Summarise every archived run and write collapse.{json,md,png} into the archive."""
+    # Arm by arm (arms in their first order in ``jobs``), seeds ascending: a run (seed by seed) and a
+    # later --report-only write the same report.
+    arms_first = list(dict.fromkeys(a for a, _ in jobs))
     runs = []
-    for arm, seed in jobs:
+    for arm, seed in sorted(jobs, key=lambda j: (arms_first.index(j[0]), j[1])):
         info = meta.get("runs", {}).get(f"{arm}/seed{seed}", {})
         entry = {"arm": arm, "seed": seed, "command": info.get("command"), "wall_s": info.get("wall_s"), "cpu_s": info.get("cpu_s")}
         if info.get("error"):
@@ -524,9 +527,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold
-    # Arm by arm, as --report-only orders them: the committed report is the same whichever wrote it.
-    report(archive, sorted(jobs, key=lambda j: (arms.index(j[0]), j[1])), labels, meta["baseline"], horizon, meta,
-           C.CollapseCriteria(hold=meta["hold"]))
+    report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
     failed = [n for n, r in meta["runs"].items() if "error" in r]
     if failed:
         print(f"collapse: {len(failed)} run(s) failed: {', '.join(failed)} (see collapse.md)", file=sys.stderr)

@@ -40,6 +40,11 @@ from typing import Optional
 
 from lldslight import collapse as C
 
+if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
+    from .collapse import _median
+else:  # python lab/confirmatory.py: the script's own folder is on sys.path
+    from collapse import _median
+
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "lab" / "archive" / "collapse"
 SET = LAB / "c1_5e-4"
@@ -55,20 +60,20 @@ C2_SETS = {("bound", "5e-4"): ("c2_5e-4", "bound"), ("bound", "1e-3"): ("c2_1e-3
 T975_DF4 = 2.776  # Student's t, two-sided 95%, 4 degrees of freedom (tables; scipy is not needed for one number)
 
 
-def run_outcome(run: Path, hold: int) -> dict:
-    """One archived run: time to collapse (censored at H), collapsed by H, last-100 reward, drift."""
+def training_rows(run: Path):
+    """One archived run's training rows up to the horizon (read once, summarised under each hold)."""
     train = C.training_rows(C.read_metrics(run))
-    train = train[train.index < HORIZON]
+    return train[train.index < HORIZON]
+
+
+def run_outcome(train, hold: int) -> dict:
+    """One run's training rows: time to collapse (censored at H), collapsed by H, last-100 reward,
+    and the medians over steps of its drift, rate and updates applied."""
     summary = C.summarise(train, C.CollapseCriteria(hold=hold))
     time, collapsed = C.time_to_collapse(summary, HORIZON)
-    drift = C.column(train, "drift/kl_k3_last")
-    drift = [d for d in drift or [] if C.finite(d)]
-    out = {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
-           "drift_kl_k3_median": statistics.median(drift) if drift else None}
-    for key, name in (("train/lr", "lr_median"), ("drift/updates", "updates_median")):
-        values = [v for v in C.column(train, key) or [] if C.finite(v)]
-        out[name] = statistics.median(values) if values else None
-    return out
+    return {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
+            **{name: _median(C.column(train, key) or []) for key, name in
+               (("drift/kl_k3_last", "drift_kl_k3_median"), ("train/lr", "lr_median"), ("drift/updates", "updates_median"))}}
 
 
 def machine_kinds(meta_runs: dict) -> dict[str, tuple]:
@@ -129,9 +134,7 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], hold2
             "final_reward_permutation": C.paired_permutation([g[s]["final_reward"] or 0.0 for s in seeds],
                                                              [l[s]["final_reward"] or 0.0 for s in seeds]),
             "sign_test": C.sign_test([(g[s]["time"], l[s]["time"]) for s in seeds]),
-            "drift_kl_k3_median": {arm: statistics.median(v) if (v := [outcomes[arm][s]["drift_kl_k3_median"] for s in seeds
-                                                                       if outcomes[arm][s]["drift_kl_k3_median"] is not None]) else None
-                                   for arm in ARMS},
+            "drift_kl_k3_median": {arm: _median([outcomes[arm][s]["drift_kl_k3_median"] for s in seeds]) for arm in ARMS},
         },
     }
     if hold20 is not None:
@@ -156,8 +159,9 @@ def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
             if f"{arm}/seed{seed}" not in kind_of:  # archived while its pair still runs: the runner records it at the pair's end
                 missing.append(f"{arm}/seed{seed} (pair unfinished)")
                 continue
-            outcomes[arm][seed] = run_outcome(run, HOLD)
-            hold20[arm][seed] = run_outcome(run, 20)
+            train = training_rows(run)
+            outcomes[arm][seed] = run_outcome(train, HOLD)
+            hold20[arm][seed] = run_outcome(train, 20)
             kinds.setdefault(seed, set()).add(kind_of.get(f"{arm}/seed{seed}"))
     for seed, k in kinds.items():
         if len(k) != 1:
@@ -215,9 +219,8 @@ def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
             "reward_vs_2.5e-4": {"mean_diff": mean, "low": mean - half, "high": mean + half, "at_least_safe_rate": mean >= 0},
             "grpo_collapsed": sum(plain[s]["collapsed"] for s in seeds),
             "fisher_p_grpo_vs_bound": C.fisher_one_sided(sum(plain[s]["collapsed"] for s in seeds), len(seeds), collapsed, len(seeds)),
-            "bound_lr_median": statistics.median(v) if (v := [bound[s]["lr_median"] for s in seeds if bound[s]["lr_median"] is not None]) else None,
-            "bound_updates_median": statistics.median(v) if (v := [bound[s]["updates_median"] for s in seeds if bound[s]["updates_median"] is not None]) else None,
-            "bound_drift_median": statistics.median(v) if (v := [bound[s]["drift_kl_k3_median"] for s in seeds if bound[s]["drift_kl_k3_median"] is not None]) else None,
+            **{f"bound_{name}": _median([bound[s][key] for s in seeds])
+               for key, name in (("lr_median", "lr_median"), ("updates_median", "updates_median"), ("drift_kl_k3_median", "drift_median"))},
         }
     met = all(r["held_all"] and r["reward_vs_2.5e-4"]["at_least_safe_rate"] for r in rates.values())
     return {"seeds": seeds, "horizon": HORIZON, "hold": HOLD, "rates": rates, "goal_met": met,
@@ -232,7 +235,7 @@ def c2_report(lab: Path = LAB) -> dict:
         for seed in C2_SEEDS:
             run = lab / name / arm / f"seed{seed}"
             if any(run.glob("metrics.csv*")):
-                outcomes[key][seed] = run_outcome(run, HOLD)
+                outcomes[key][seed] = run_outcome(training_rows(run), HOLD)
             else:
                 missing.append(f"{name}/{arm}/seed{seed}")
     runs = [{"arm": a, "rate": r, "seed": s, **o} for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
