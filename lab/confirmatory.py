@@ -145,6 +145,9 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], hold2
 
 def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
     """(outcomes at hold 30, outcomes at hold 20, seed -> stratum, missing runs) from the archive."""
+    if not (path / "collapse.json").is_file():
+        raise SystemExit(f"confirmatory: {path / 'collapse.json'} not found: --set must be a set's archive "
+                         "(lab/archive/collapse/<name>, written by lab/collapse.py)")
     meta_runs = json.loads((path / "collapse.json").read_text())["meta"].get("runs", {})
     kind_of = machine_kinds(meta_runs)
     outcomes: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}

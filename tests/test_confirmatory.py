@@ -145,3 +145,8 @@ def test_c2_report_is_partial_until_every_arm_is_archived(conf, tmp_path):
     (tmp_path / "c1_5e-4").mkdir()
     rep = conf.c2_report(tmp_path)
     assert rep["status"] == "partial" and len(rep["missing"]) == 25 and "goal_met" not in rep
+
+
+def test_a_set_without_its_report_is_named(conf, tmp_path):
+    with pytest.raises(SystemExit, match=r"confirmatory: .*collapse\.json not found: --set must be a set's archive"):
+        conf.main(["--set", str(tmp_path)])

@@ -367,6 +367,13 @@ def test_light_warmstart_demo_recomputed_independently() -> None:
     assert f"dev EM {mean:+.3f} on average {interval}; {sum(passing)} of 3 runs by two standard errors; seed 0 {seed0}" in _row("R14")
     assert _row("R14").endswith("| met |" if passing[0] and sum(passing) >= 2 else "| not met |")
     assert f"seed 0 moved dev EM by {seed0}" in page("README.md")
+    # the time quoted is the one recorded with the run (lab/archive/demo/shipped/timing.json)
+    timing = json.loads((shipped / "timing.json").read_text())
+    s0 = timing["runs"]["n32_seed0"]
+    minutes, seconds = divmod(round(s0["wall_s"]), 60)
+    assert s0["command"] == "bash scripts/demo.sh" and "avx512_bf16" in timing["machine"]["cpu_flags_simd"]
+    assert f"seed 0 took {minutes} min {seconds} s after set-up on an AMD EPYC with AVX512-BF16" in page("README.md")
+    assert f"**{minutes} min {seconds} s**" in studies
     # "training reward was 0 in N of the 30 steps of seed 0"
     with gzip.open(shipped / "n32_seed0" / "metrics.csv.gz", "rt") as f:
         rewards = [float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")]
