@@ -2,6 +2,7 @@
 
     python benchmarks/decode_ops.py --json docs/decode_ops.json
     python benchmarks/decode_ops.py --precision fp32 --threads 2
+    python benchmarks/decode_ops.py --sides current --rows 32 --bounds   # the library against its limits
 
 The two changes (2026-12-02), both exact (the same tensors come out):
 
@@ -19,6 +20,13 @@ at ``--context`` tokens of context, ``--steps`` 1-token steps per run, under the
 ``sampling_weights`` (autocast, the adapter path). The cache-write table times one layer's write
 of one token per row, per dtype, on its own. Runs alternate (benchmarks/harness.py: load recorded,
 busy runs repeated, medians [min-max]).
+
+``--bounds`` also reports the "current" decode step against the machine (benchmarks/bounds.py,
+measured in the same process at the same rows and threads): the physical limit (every weight read
+once at the measured read bandwidth, or the FLOPs at the large-shape matmul peak, whichever is
+larger), the model's Linears alone at these rows (what an eager step cannot beat with these
+kernels), and the LoRA adapters' rank-r matmuls alone (two per adapted Linear, in the step's
+dtype): the part of the step outside all matmuls is what fusion or compilation could remove.
 """
 from __future__ import annotations
 
@@ -28,8 +36,9 @@ import time
 from pathlib import Path
 
 if __package__:
-    from . import harness
+    from . import bounds, harness
 else:
+    import bounds
     import harness
 
 
@@ -78,6 +87,35 @@ def previous_cache_class():
     return ScatterCache
 
 
+def adapter_matmuls_s(shape, rows: int, r: int, threads: int, precision: str, repeats: int = 3) -> float:
+    """The LoRA adapters' matmuls alone in one decode step: x A^T [rows, r] then (x A^T) B^T for
+    every Linear of every layer (random weights of their shapes, in the step's compute dtype)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    dtype = bounds._torch_dtype(precision)
+    pairs = [(torch.randn(r, a, dtype=dtype), torch.randn(b, r, dtype=dtype)) for _ in range(shape.layers) for a, b in shape.linears()]
+    xs = {a: torch.randn(rows, a, dtype=dtype) for a, _ in shape.linears()}
+
+    def run():
+        for a, b in pairs:
+            F.linear(F.linear(xs[a.shape[1]], a), b)
+    return bounds._best(run, repeats)
+
+
+def against_bounds(step_ms: float, shape, rows: int, context: float, m: dict, precision: str, adapters_ms: float) -> dict:
+    """A decode step of ``step_ms`` as fractions of the limits in ``m`` (bounds.measure at the same
+    rows and threads), with ``adapters_ms`` of LoRA matmuls alone: pure arithmetic."""
+    compute = "fp32" if precision == "fp32" else "bf16"
+    dec = bounds.decode_bound_s(shape, rows, context, bounds.read_gbs(m), bounds.gemm_rates(m, compute)["square_2048"],
+                                bounds.DTYPE_BYTES[compute])
+    linears_ms = bounds.decode_matmuls_of(m, compute) * 1e3
+    return {"decode_step_ms": step_ms, "bound_ms": dec["bound_s"] * 1e3, "memory_bound_ms": dec["memory_s"] * 1e3,
+            "compute_bound_ms": dec["compute_s"] * 1e3, "linears_alone_ms": linears_ms, "adapter_matmuls_alone_ms": adapters_ms,
+            "fraction_of_bound": dec["bound_s"] * 1e3 / step_ms, "outside_matmuls_ms": step_ms - linears_ms - adapters_ms}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed"])
@@ -87,13 +125,15 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sides", nargs="+", default=["previous", "current"], choices=["previous", "current"])
+    p.add_argument("--bounds", action="store_true", help="also measure the machine's limits and report the current side against them")
     p.add_argument("--json", default=None)
     harness.add_arguments(p)
     args = p.parse_args(argv)
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, sampling_weights
+    from lldslight.policy import LoRAConfig, PolicyConfig, cpu_description, load_policy, sampling_weights
     from lldslight.rollout import Decoder
 
     torch.set_num_threads(args.threads)
@@ -122,9 +162,8 @@ def main(argv=None) -> dict:
             wall = time.perf_counter() - t0
         return {"ms_per_step": wall / args.steps * 1e3, "steps": args.steps}, logits
 
-    _, prev_logits = decode("previous")  # warm-up, and the two sides' outputs compared
-    _, cur_logits = decode("current")
-    max_diff = (prev_logits - cur_logits).abs().max().item()
+    warm = {side: decode(side)[1] for side in args.sides}  # warm-up, and the two sides' outputs compared
+    max_diff = (warm["previous"] - warm["current"]).abs().max().item() if len(warm) == 2 else None
 
     def run(side):
         with harness.LoadMeter() as m:
@@ -132,30 +171,42 @@ def main(argv=None) -> dict:
         return figures, m.record
 
     policy = harness.policy_from_args(args)
-    attempts = harness.alternate(["previous", "current"], run, args.rounds, policy,
+    attempts = harness.alternate(args.sides, run, args.rounds, policy,
                                  describe=lambda side, m: f"{m['ms_per_step']:.1f} ms/step;")
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.hidden_size // heads
     writes = {str(dt).replace("torch.", ""): cache_write_us(dt, S, kv_heads, head_dim, P + 64) for dt in (torch.float32, torch.bfloat16)}
     report = {
-        "config": {k: getattr(args, k) for k in ("precision", "rows", "context", "steps", "rounds", "threads", "seed")}
+        "config": {k: getattr(args, k) for k in ("precision", "rows", "context", "steps", "rounds", "threads", "seed", "sides")}
                   | {"model": "SmolLM2-135M-Instruct", "lora": "r=16 on every linear layer", "torch": torch.__version__},
-        "sides": {s: harness.side_summary(attempts, s, ["ms_per_step"]) for s in ("previous", "current")},
-        "ratio": harness.ratio_summary(attempts, "current", "previous", "ms_per_step"),
+        "cpu": cpu_description(),
+        "sides": {s: harness.side_summary(attempts, s, ["ms_per_step"]) for s in args.sides},
         "max_abs_logit_difference": max_diff,
         "cache_write_us": writes,
         "quiet": harness.quiet_summary(attempts, policy),
         "attempts": [a.to_dict() for a in attempts],
     }
-    prev, cur = (report["sides"][s]["ms_per_step"] for s in ("previous", "current"))
     print(f"\nDecode step, SmolLM2-135M-Instruct {args.precision} + LoRA r=16 (every linear), {S} rows at {P} tokens of context, "
           f"{args.threads} thread(s); medians [min-max] of {args.rounds} alternating rounds of {args.steps} steps")
     print("| side | ms per decode step |\n|---|---|")
-    print(f"| previous (scatter_ cache writes, peft input casts) | {harness.fmt_spread(prev, '{:.1f}')} |")
-    print(f"| current | {harness.fmt_spread(cur, '{:.1f}')} |")
-    r = report["ratio"]
-    print(f"current / previous: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
-          f"largest logit difference between the sides after {args.steps} steps: {max_diff:.3g}")
+    labels = {"previous": "previous (scatter_ cache writes, peft input casts)", "current": "current"}
+    for side in args.sides:
+        print(f"| {labels[side]} | {harness.fmt_spread(report['sides'][side]['ms_per_step'], '{:.1f}')} |")
+    if len(args.sides) == 2:
+        r = report["ratio"] = harness.ratio_summary(attempts, "current", "previous", "ms_per_step")
+        print(f"current / previous: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
+              f"largest logit difference between the sides after {args.steps} steps: {max_diff:.3g}")
+    if args.bounds and "current" in args.sides:
+        shape, compute = bounds.Shape.from_config(cfg), "fp32" if args.precision == "fp32" else "bf16"
+        with harness.LoadMeter() as meter:
+            machine = bounds.measure(args.threads, shape, S)
+            adapters_ms = adapter_matmuls_s(shape, S, 16, args.threads, compute) * 1e3
+        b = report["bounds"] = against_bounds(report["sides"]["current"]["ms_per_step"]["median"], shape, S, P, machine,
+                                              args.precision, adapters_ms)
+        report["machine"], report["bounds_load"] = machine, meter.record.to_dict()
+        print(f"current vs this machine: physical limit {b['bound_ms']:.1f} ms (memory {b['memory_bound_ms']:.1f}, FLOPs "
+              f"{b['compute_bound_ms']:.1f}) = {b['fraction_of_bound']:.0%} of it; the Linears alone {b['linears_alone_ms']:.1f} ms, "
+              f"the adapters' matmuls alone {b['adapter_matmuls_alone_ms']:.1f} ms, outside all matmuls {b['outside_matmuls_ms']:.1f} ms")
     print("\n| cache write, one layer, one token per row (us per call) | scatter_ | index_put |\n|---|---|---|")
     for dt, w in writes.items():
         print(f"| {dt} | {w['scatter_']:.1f} | {w['index_put']:.1f} |")

@@ -140,3 +140,26 @@ def test_step_fractions_per_precision_by_hand(bounds):
     assert bf16["update_fraction_of_ceiling"] == pytest.approx(total / 400e9 / 2.0)
     assert bf16["update_fraction_of_blas"] == pytest.approx(total / 200e9 / 2.0)
     assert fp32["precision"] == "fp32" and bf16["ceiling_gflops"] == 400.0
+
+
+def test_decode_step_against_bounds_by_hand(bounds):
+    """decode_ops.py --bounds: SmolLM2's bf16 step of 100 ms on a machine reading 10 GB/s (numpy 5)
+    with a 1,000 GFLOP/s bf16 peak: the weights' 2 bytes each take 26.9 ms, the FLOPs at 8 rows and
+    no context 2.15 ms, so the limit is 26.9 ms = 27% of the step; 40 ms of Linears and 12 ms of
+    adapters leave 48 ms outside the matmuls."""
+    decode_ops = load_benchmark("decode_ops")
+    s = bounds.Shape(**SMOLLM2)
+    m = _measured(fp32_peak=200.0, bf16_peak=1000.0, fp32_train=100.0, bf16_train=500.0, fp32_chain_s=0.05, bf16_chain_s=0.04)
+    b = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, precision="bf16-mixed", adapters_ms=12.0)
+    assert b["memory_bound_ms"] == pytest.approx(2 * 134_515_008 / 10e9 * 1e3)  # 26.90 ms
+    assert b["compute_bound_ms"] == pytest.approx(8 * 2 * (30 * 3_538_944 + 28_311_552) / 1000e9 * 1e3)  # 2.15 ms
+    assert b["bound_ms"] == b["memory_bound_ms"] and b["fraction_of_bound"] == pytest.approx(0.26903, rel=1e-4)
+    assert (b["linears_alone_ms"], b["outside_matmuls_ms"]) == (pytest.approx(40.0), pytest.approx(48.0))
+    fp32 = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, precision="fp32", adapters_ms=0.0)
+    assert fp32["bound_ms"] == pytest.approx(4 * 134_515_008 / 10e9 * 1e3) and fp32["linears_alone_ms"] == pytest.approx(50.0)
+
+
+def test_adapter_matmuls_run(bounds):
+    decode_ops = load_benchmark("decode_ops")
+    s = bounds.Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
+    assert decode_ops.adapter_matmuls_s(s, rows=4, r=2, threads=1, precision="bf16", repeats=1) > 0
