@@ -197,9 +197,86 @@ def test_llds_5e4_record_recomputed_independently(primary) -> None:
     assert rd["paired"] and f"RMST difference {rd['diff']:+.0f} steps [{rd['low']:+.0f}, {rd['high']:+.0f}]" in results
     assert f"exceeds GRPO's by {rd['diff']:.0f} steps, with a 95% interval of [{rd['low']:+.0f}, {rd['high']:+.0f}]" in results
     readme = page("README.md")
-    assert (f"| {k['llds']} of 5 with LLDS vs {k['grpo']} of 5; on a second CPU {epyc['collapsed']['llds']} of 5 vs "
-            f"{epyc['collapsed']['grpo']} of 5 | p = {xeon['fisher_p']:.3f}; replication p = {epyc['fisher_p']:.2f} | suggestive, not confirmatory |") in readme
-    assert "LLDS prevented" not in readme + results and "prevented the collapse" not in readme + results
+    assert (f"(the earlier 5-seed sets: {k['llds']} of 5 vs {k['grpo']} of 5, p = {xeon['fisher_p']:.3f}, and {epyc['collapsed']['llds']} of 5 "
+            f"vs {epyc['collapsed']['grpo']} of 5, p = {epyc['fisher_p']:.2f}: suggestive)") in readme
+    assert "prevent" not in r4.split("|")[-2]  # "prevented" is the confirmatory set's word (R12, tested below), never R4's
+
+
+def _readme_row(claim: str) -> str:
+    """The README results table's row whose first cell is ``claim``."""
+    (line,) = [l for l in (ROOT / "README.md").read_text().splitlines() if l.startswith(f"| {claim} |")]
+    return line
+
+
+C1 = LAB / "c1_5e-4"
+
+
+def test_c1_recomputed_independently() -> None:
+    """R12, the confirmatory set, from its archived metrics with this file's own code: the collapse
+    rule (hold 30) over the csv module, the strata from each run's recorded machine, the exact
+    stratified p as a convolution of scipy's hypergeometric distributions, the horizon rule, the
+    last-100 rewards and their exact paired permutation p, the hold-20 recount; then every page
+    that quotes them, and the verdict words only where the registered conditions hold."""
+    from scipy.stats import hypergeom
+
+    if not (C1 / "llds").is_dir():
+        pytest.skip("c1_5e-4 is not archived")
+    seeds, horizon = range(20, 30), 1100
+    runs = json.loads((C1 / "collapse.json").read_text())["meta"]["runs"]
+    start = {(arm, s): _collapse_start(C1 / arm / f"seed{s}", hold=30) for arm in ("grpo", "llds") for s in seeds}
+    collapsed = {k: v is not None and v < horizon for k, v in start.items()}
+    k = {arm: sum(collapsed[(arm, s)] for s in seeds) for arm in ("grpo", "llds")}
+    assert len(runs) == 20 and (k["grpo"], k["llds"]) == (10, 3)
+    # strata: the CPU model and SIMD flags each run recorded; both arms of a seed on one machine
+    kind = {s: {json.dumps([runs[f"{arm}/seed{s}"]["machine_kind"][f] for f in ("cpu_model", "cpu_flags_simd", "init_digest")])
+                for arm in ("grpo", "llds")} for s in seeds}
+    assert all(len(v) == 1 for v in kind.values())
+    cpu = {s: json.loads(next(iter(kind[s])))[:2] for s in seeds}
+    strata = {}
+    for s in seeds:
+        strata.setdefault(json.dumps(cpu[s]), []).append(s)
+    assert sorted(map(len, strata.values())) == [4, 6]
+    # exact stratified test: given each stratum's total collapses, LLDS's count in it is
+    # hypergeometric; p = P(sum over strata of LLDS counts <= observed), strata independent
+    dist = {0: 1.0}
+    for members in strata.values():
+        n = len(members)
+        total = sum(collapsed[(arm, s)] for arm in ("grpo", "llds") for s in members)
+        pmf = {x: float(hypergeom(2 * n, total, n).pmf(x)) for x in range(n + 1)}
+        dist = {t: sum(dist.get(t - x, 0.0) * q for x, q in pmf.items()) for t in range(sum(map(len, strata.values())) + 1)}
+    p = sum(q for t, q in dist.items() if t <= k["llds"])
+    assert p == pytest.approx(1 / 70 * 84 / 924)  # by hand: P(0 of 4 | 4 of 8) x P(3 of 6 | 9 of 12)
+    times = sorted(start[("grpo", s)] if collapsed[("grpo", s)] else horizon for s in seeds)
+    grpo_median = statistics.median(times)
+    assert grpo_median <= horizon / 2, "the horizon rule"
+    last = {arm: {s: _last100_mean_reward(C1 / arm / f"seed{s}") for s in seeds} for arm in ("grpo", "llds")}
+    d = [last["llds"][s] - last["grpo"][s] for s in seeds]
+    flips = [sum(x * f for x, f in zip(d, signs)) for signs in itertools.product((1, -1), repeat=10)]
+    perm_p = sum(f >= sum(d) - 1e-12 for f in flips) / len(flips)
+    hold20 = {arm: sum(_collapse_start(C1 / arm / f"seed{s}", hold=20) is not None for s in seeds) for arm in ("grpo", "llds")}
+    mean = {arm: statistics.fmean(v.values()) for arm, v in last.items()}
+    rd = json.loads((C1 / "c1.json").read_text())["secondary"]["rmst_difference"]  # a bootstrap: quoted as computed
+
+    r12 = _row("R12")
+    assert f"collapsed {k['grpo']} of 10 vs {k['llds']} of 10; last-100 reward {mean['grpo']:.2f} vs {mean['llds']:.2f}" in r12
+    assert f"RMST difference {rd['diff']:+.0f} steps [{rd['low']:+.0f}, {rd['high']:+.0f}]" in r12
+    assert f"GRPO's median time to collapse {grpo_median:g} (horizon rule holds)" in r12
+    assert f"| {p:.4f} | supported: LLDS prevented the collapse within 1,100 steps" in r12 and p < 0.05
+    readme_row = _readme_row("LLDS prevents it where GRPO first learns")
+    assert f"| {k['llds']} of 10 with LLDS vs {k['grpo']} of 10 (" in readme_row and f"p = {p:.4f}; horizon rule holds" in readme_row
+    assert f"prevented the collapse within 1,100 steps (in {10 - k['llds']} of 10 seeds)" in readme_row
+    lab = page("docs", "collapse_lab.md")
+    assert f"GRPO collapsed in **{k['grpo']} of 10** seeds and GRPO + LLDS in **{k['llds']} of 10**" in lab
+    assert f"gives **p = {p:.4f}** at 0.05, and GRPO's median time to collapse ({grpo_median:g})" in lab
+    assert f"| mean last-100 reward | {mean['grpo']:.3f} | {mean['llds']:.3f} |" in lab
+    assert f"GRPO's median time to collapse is {grpo_median:g} <= H / 2 = 550: holds" in lab
+    llds_fell = sorted((s, start[("llds", s)]) for s in seeds if collapsed[("llds", s)])
+    assert f"({k['llds']} of 10 against {k['grpo']} of 10)" in lab and llds_fell == [(26, 887), (28, 551), (29, 174)]
+    assert "(seeds 26, 28, 29, at steps 887, 551, 174)" in lab
+    assert f"**+{sum(d) / 10:.3f}**, exact paired permutation p = {perm_p:.3f}" in lab
+    assert f"with the old 20-step hold, {hold20['grpo']} of 10 vs {hold20['llds']} of 10" in lab
+    per_stratum = {len(m): sum(collapsed[("llds", s)] for s in m) for m in strata.values()}
+    assert f"| AVX2-only EPYC, seeds 20-23 | 4 of 4 | {per_stratum[4]} of 4 |" in lab and f"| 6 of 6 | {per_stratum[6]} of 6 |" in lab
 
 
 def _collapse_start(run: Path, hold: int, smooth: int = 20) -> int | None:
