@@ -148,7 +148,7 @@ def decode_bound_s(shape: Shape, rows: int, context: float, read_gbs: float, sge
 # -- measurements -----------------------------------------------------------------------------------
 
 
-def _best(fn, repeats: int) -> float:
+def best_of(fn, repeats: int) -> float:
     fn()  # warm-up: first touch of the pages, thread pool start
     best = float("inf")
     for _ in range(repeats):
@@ -169,15 +169,15 @@ def bandwidth(threads: int, mb: int = 256, repeats: int = 5) -> dict[str, float]
     y = torch.empty_like(x)
     nbytes = x.numel() * 4
     out = {
-        "torch_read_gbs": nbytes / _best(lambda: x.sum(), repeats) / 1e9,
-        "torch_copy_gbs": 2 * nbytes / _best(lambda: y.copy_(x), repeats) / 1e9,
+        "torch_read_gbs": nbytes / best_of(lambda: x.sum(), repeats) / 1e9,
+        "torch_copy_gbs": 2 * nbytes / best_of(lambda: y.copy_(x), repeats) / 1e9,
     }
     a, b = x.numpy(), y.numpy()
     cuts = [i * n // threads for i in range(threads + 1)]
     parts = [(a[lo:hi], b[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
     with ThreadPoolExecutor(threads) as pool:  # numpy's sum and copyto release the GIL on large arrays
-        out["numpy_read_gbs"] = nbytes / _best(lambda: list(pool.map(lambda p: p[0].sum(), parts)), repeats) / 1e9
-        out["numpy_copy_gbs"] = 2 * nbytes / _best(lambda: list(pool.map(lambda p: np.copyto(p[1], p[0]), parts)), repeats) / 1e9
+        out["numpy_read_gbs"] = nbytes / best_of(lambda: list(pool.map(lambda p: p[0].sum(), parts)), repeats) / 1e9
+        out["numpy_copy_gbs"] = 2 * nbytes / best_of(lambda: list(pool.map(lambda p: np.copyto(p[1], p[0]), parts)), repeats) / 1e9
     return out
 
 
@@ -192,17 +192,17 @@ def sgemm_gflops(threads: int, m: int, k: int, n: int, repeats: int = 5, precisi
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    dtype = _torch_dtype(precision)
+    dtype = torch_dtype(precision)
     a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)  # an nn.Linear's layout: weight [out, in]
     calls = max(1, int(2e8 // (2 * m * k * n)))  # ~0.2 GFLOP per timing: above timer resolution
 
     def run():
         for _ in range(calls):
             F.linear(a, w)
-    return 2.0 * m * k * n * calls / _best(run, repeats) / 1e9
+    return 2.0 * m * k * n * calls / best_of(run, repeats) / 1e9
 
 
-def _torch_dtype(precision: str):
+def torch_dtype(precision: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
@@ -215,7 +215,7 @@ def decode_matmuls_s(shape: Shape, rows: int, threads: int, repeats: int = 3, pr
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    dtype = _torch_dtype(precision)
+    dtype = torch_dtype(precision)
     weights = [torch.randn(b, a, dtype=dtype) for _ in range(shape.layers) for a, b in shape.linears()]
     weights.append(torch.randn(shape.vocab, shape.hidden, dtype=dtype))
     xs = {a: torch.randn(rows, a, dtype=dtype) for a, _ in shape.linears()}
@@ -223,7 +223,7 @@ def decode_matmuls_s(shape: Shape, rows: int, threads: int, repeats: int = 3, pr
     def run():
         for w in weights:
             F.linear(xs[w.shape[1]], w)
-    t = _best(run, repeats)
+    t = best_of(run, repeats)
     del weights
     return t
 

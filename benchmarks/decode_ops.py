@@ -94,14 +94,14 @@ def adapter_matmuls_s(shape, rows: int, r: int, threads: int, precision: str, re
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    dtype = bounds._torch_dtype(precision)
+    dtype = bounds.torch_dtype(precision)
     pairs = [(torch.randn(r, a, dtype=dtype), torch.randn(b, r, dtype=dtype)) for _ in range(shape.layers) for a, b in shape.linears()]
     xs = {a: torch.randn(rows, a, dtype=dtype) for a, _ in shape.linears()}
 
     def run():
         for a, b in pairs:
             F.linear(F.linear(xs[a.shape[1]], a), b)
-    return bounds._best(run, repeats)
+    return bounds.best_of(run, repeats)
 
 
 def against_bounds(step_ms: float, shape, rows: int, context: float, m: dict, precision: str, adapters_ms: float) -> dict:
