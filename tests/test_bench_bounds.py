@@ -163,3 +163,32 @@ def test_adapter_matmuls_run(bounds):
     decode_ops = load_benchmark("decode_ops")
     s = bounds.Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512)
     assert decode_ops.adapter_matmuls_s(s, rows=4, r=2, threads=1, precision="bf16", repeats=1) > 0
+
+
+def test_committed_decode_bounds_recomputed_and_quoted():
+    """docs/decode_bounds_epyc_bf16.json (decode_ops.py --bounds, 8 and 32 rows, 1 and 2 threads):
+    each physical limit recomputed here from the machine figures it recorded (SmolLM2's bytes and
+    FLOPs written out by hand), and docs/speed.md's table quoting them."""
+    import json
+
+    from conftest import ROOT
+
+    runs = json.loads((ROOT / "docs" / "decode_bounds_epyc_bf16.json").read_text())["runs"]
+    page = (ROOT / "docs" / "speed.md").read_text()
+    weights = 30 * 3_538_944 + 28_311_552  # multiply-adds per row: the layers' Linears and the vocabulary projection
+    for rows, threads in ((8, 1), (8, 2), (32, 1), (32, 2)):
+        r = runs[f"rows{rows}_threads{threads}"]
+        m, b = r["machine"], r["bounds"]
+        assert r["quiet"]["quiet"] and r["config"]["rows"] == rows and r["config"]["threads"] == threads
+        assert "avx512_bf16" in r["cpu"]["cpu_flags_simd"]
+        step = r["sides"]["current"]["ms_per_step"]["median"]
+        memory = 2 * 134_515_008 / (max(m["torch_read_gbs"], m["numpy_read_gbs"]) * 1e9) * 1e3
+        flops = rows * (2 * weights + 30 * 4 * 9 * 64 * 200)  # + QK^T and AV over 200 positions, 9 heads of 64
+        compute = flops / (m["bf16_gemm_gflops"]["square_2048"] * 1e9) * 1e3
+        assert b["memory_bound_ms"] == pytest.approx(memory) and b["compute_bound_ms"] == pytest.approx(compute)
+        limit = max(memory, compute)
+        linears = m["decode_matmuls_bf16_s"] * 1e3
+        outside = step - linears - b["adapter_matmuls_alone_ms"]
+        row = (f"| {rows}, {threads} | {step:.1f} | {memory:.1f}, {compute:.1f} | **{limit / step:.0%}** | {linears:.1f} | "
+               f"{b['adapter_matmuls_alone_ms']:.1f} | {outside:.1f} ({outside / step:.0%}) | {limit / (linears + b['adapter_matmuls_alone_ms']):.0%} |")
+        assert row in page, row
