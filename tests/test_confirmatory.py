@@ -150,3 +150,39 @@ def test_c2_report_is_partial_until_every_arm_is_archived(conf, tmp_path):
 def test_a_set_without_its_report_is_named(conf, tmp_path):
     with pytest.raises(SystemExit, match=r"confirmatory: .*collapse\.json not found: --set must be a set's archive"):
         conf.main(["--set", str(tmp_path)])
+
+
+def test_c2_report_names_each_runs_machine_and_flags_pairs_across_machines(conf, tmp_path):
+    """On copies of the committed C2 archives (and C1's, whose GRPO runs are C2's 5e-4 column):
+    every archived run carries the machine kind its set recorded; a seed whose bound run and GRPO-at-
+    2.5e-4 run ran on different machine kinds is flagged (the goal's pairs stay within a machine, as
+    registered); a run with metrics but no record yet (its set still running) counts as missing."""
+    lab = ROOT / "lab" / "archive" / "collapse"
+    names = ["c1_5e-4", "c2_1e-3", "c2_5e-4", "c2_2.5e-4"]
+    if not all((lab / n / "collapse.json").is_file() for n in names):
+        pytest.skip("C2's first archives are not committed")
+    for n in names:
+        shutil.copytree(lab / n, tmp_path / n)
+    rep = conf.c2_report(tmp_path)
+    recorded = {n: json.loads((lab / n / "collapse.json").read_text())["meta"]["runs"] for n in names}
+    for r in rep["runs"]:
+        name, arm = conf.C2_SETS[(r["arm"], r["rate"])]
+        k = recorded[name][f"{arm}/seed{r['seed']}"]["machine_kind"]
+        assert r["machine_kind"][:2] == [k["cpu_model"], str(tuple(k["cpu_flags_simd"]))], r
+    assert rep["goal_pairs_across_machines"] == []
+    seed = min(r["seed"] for r in rep["runs"] if r["arm"] == "bound")
+    meta = json.loads((tmp_path / "c2_2.5e-4" / "collapse.json").read_text())
+    meta["meta"]["runs"][f"grpo/seed{seed}"]["machine_kind"]["cpu_flags_simd"] = ["avx", "avx2"]
+    (tmp_path / "c2_2.5e-4" / "collapse.json").write_text(json.dumps(meta))
+    assert conf.c2_report(tmp_path)["goal_pairs_across_machines"] == [seed]
+    assert f"Not as registered: seeds [{seed}] ran the bound arm and GRPO at 2.5e-4 on different machine kinds" in conf.c2_text(conf.c2_report(tmp_path))
+    del meta["meta"]["runs"][f"grpo/seed{seed}"]
+    (tmp_path / "c2_2.5e-4" / "collapse.json").write_text(json.dumps(meta))
+    rep = conf.c2_report(tmp_path)
+    assert f"c2_2.5e-4/grpo/seed{seed} (set unfinished)" in rep["missing"] and not any(r["rate"] == "2.5e-4" and r["seed"] == seed for r in rep["runs"])
+
+
+def test_kind_label(conf):
+    assert conf.kind_label(["AMD EPYC", "('avx', 'avx2', 'avx512_bf16', 'fma')"]) == "AMD EPYC, avx512_bf16"
+    assert conf.kind_label(["AMD EPYC", "('avx', 'avx2', 'fma')"]) == "AMD EPYC, avx2 only"
+    assert conf.kind_label(["Some CPU", "('neon',)"]) == "Some CPU, ('neon',)"
