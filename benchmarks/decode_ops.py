@@ -104,10 +104,10 @@ def adapter_matmuls_s(shape, rows: int, r: int, threads: int, precision: str, re
     return bounds.best_of(run, repeats)
 
 
-def against_bounds(step_ms: float, shape, rows: int, context: float, m: dict, precision: str, adapters_ms: float) -> dict:
-    """A decode step of ``step_ms`` as fractions of the limits in ``m`` (bounds.measure at the same
-    rows and threads), with ``adapters_ms`` of LoRA matmuls alone: pure arithmetic."""
-    compute = "fp32" if precision == "fp32" else "bf16"
+def against_bounds(step_ms: float, shape, rows: int, context: float, m: dict, compute: str, adapters_ms: float) -> dict:
+    """A decode step of ``step_ms`` computing in ``compute`` ("fp32" or "bf16") as fractions of the
+    limits in ``m`` (bounds.measure at the same rows and threads), with ``adapters_ms`` of LoRA
+    matmuls alone: pure arithmetic."""
     dec = bounds.decode_bound_s(shape, rows, context, bounds.read_gbs(m), bounds.gemm_rates(m, compute)["square_2048"],
                                 bounds.DTYPE_BYTES[compute])
     linears_ms = bounds.decode_matmuls_of(m, compute) * 1e3
@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
             machine = bounds.measure(args.threads, shape, S)
             adapters_ms = adapter_matmuls_s(shape, S, 16, args.threads, compute) * 1e3
         b = report["bounds"] = against_bounds(report["sides"]["current"]["ms_per_step"]["median"], shape, S, P, machine,
-                                              args.precision, adapters_ms)
+                                              compute, adapters_ms)
         report["machine"], report["bounds_load"] = machine, meter.record.to_dict()
         print(f"current vs this machine: physical limit {b['bound_ms']:.1f} ms (memory {b['memory_bound_ms']:.1f}, FLOPs "
               f"{b['compute_bound_ms']:.1f}) = {b['fraction_of_bound']:.0%} of it; the Linears alone {b['linears_alone_ms']:.1f} ms, "

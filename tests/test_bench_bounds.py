@@ -150,12 +150,12 @@ def test_decode_step_against_bounds_by_hand(bounds):
     decode_ops = load_benchmark("decode_ops")
     s = bounds.Shape(**SMOLLM2)
     m = _measured(fp32_peak=200.0, bf16_peak=1000.0, fp32_train=100.0, bf16_train=500.0, fp32_chain_s=0.05, bf16_chain_s=0.04)
-    b = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, precision="bf16-mixed", adapters_ms=12.0)
+    b = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, compute="bf16", adapters_ms=12.0)
     assert b["memory_bound_ms"] == pytest.approx(2 * 134_515_008 / 10e9 * 1e3)  # 26.90 ms
     assert b["compute_bound_ms"] == pytest.approx(8 * 2 * (30 * 3_538_944 + 28_311_552) / 1000e9 * 1e3)  # 2.15 ms
     assert b["bound_ms"] == b["memory_bound_ms"] and b["fraction_of_bound"] == pytest.approx(0.26903, rel=1e-4)
     assert (b["linears_alone_ms"], b["outside_matmuls_ms"]) == (pytest.approx(40.0), pytest.approx(48.0))
-    fp32 = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, precision="fp32", adapters_ms=0.0)
+    fp32 = decode_ops.against_bounds(100.0, s, rows=8, context=0, m=m, compute="fp32", adapters_ms=0.0)
     assert fp32["bound_ms"] == pytest.approx(4 * 134_515_008 / 10e9 * 1e3) and fp32["linears_alone_ms"] == pytest.approx(50.0)
 
 
