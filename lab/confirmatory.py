@@ -143,6 +143,17 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], hold2
     return out
 
 
+def not_readable(run: Path, key: str, kind_of: dict, unit: str, prefix: str = "") -> Optional[str]:
+    """Why run ``key`` (``arm/seedN``) cannot be analysed yet, or None: its metrics are not
+    archived, or its ``unit`` (a C1 pair, a C2 set) still runs: the runner records a run's machine
+    in collapse.json only when the whole unit ends, and a run without its machine kind has no stratum."""
+    if not any(run.glob("metrics.csv*")):
+        return f"{prefix}{key}"
+    if key not in kind_of:
+        return f"{prefix}{key} ({unit} unfinished)"
+    return None
+
+
 def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
     """(outcomes at hold 30, outcomes at hold 20, seed -> stratum, missing runs) from the archive."""
     if not (path / "collapse.json").is_file():
@@ -156,11 +167,9 @@ def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
     for arm in ARMS:
         for seed in SEEDS:
             run = path / arm / f"seed{seed}"
-            if not any(run.glob("metrics.csv*")):
-                missing.append(f"{arm}/seed{seed}")
-                continue
-            if f"{arm}/seed{seed}" not in kind_of:  # archived while its pair still runs: the runner records it at the pair's end
-                missing.append(f"{arm}/seed{seed} (pair unfinished)")
+            gap = not_readable(run, f"{arm}/seed{seed}", kind_of, "pair")
+            if gap:
+                missing.append(gap)
                 continue
             train = training_rows(run)
             outcomes[arm][seed] = run_outcome(train, HOLD)
@@ -245,16 +254,18 @@ def c2_report(lab: Path = LAB) -> dict:
     for key, (name, arm) in C2_SETS.items():
         outcomes[key], kinds[key] = {}, {}
         report_path = lab / name / "collapse.json"
-        kind_of = machine_kinds(json.loads(report_path.read_text())["meta"].get("runs", {})) if report_path.is_file() else {}
+        meta_runs = json.loads(report_path.read_text())["meta"].get("runs", {}) if report_path.is_file() else {}
+        kind_of = machine_kinds(meta_runs)
         for seed in C2_SEEDS:
             run = lab / name / arm / f"seed{seed}"
-            if not any(run.glob("metrics.csv*")):
-                missing.append(f"{name}/{arm}/seed{seed}")
-            elif f"{arm}/seed{seed}" not in kind_of:  # archived while its set still runs: recorded at the set's end
-                missing.append(f"{name}/{arm}/seed{seed} (set unfinished)")
+            gap = not_readable(run, f"{arm}/seed{seed}", kind_of, "set", prefix=f"{name}/")
+            if gap:
+                missing.append(gap)
             else:
                 outcomes[key][seed] = run_outcome(training_rows(run), HOLD)
                 kinds[key][seed] = list(map(str, kind_of[f"{arm}/seed{seed}"]))
+                cpu_s = meta_runs[f"{arm}/seed{seed}"].get("cpu_s")  # the run's process CPU time (registered: reported per run)
+                outcomes[key][seed]["cpu_min"] = None if cpu_s is None else cpu_s / 60
     runs = [{"arm": a, "rate": r, "seed": s, **o, "machine_kind": kinds[(a, r)][s]}
             for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
     # the goal's pairs: a seed's bound runs and its GRPO-at-2.5e-4 run on one machine kind
@@ -268,12 +279,12 @@ def c2_report(lab: Path = LAB) -> dict:
 
 
 def c2_text(rep: dict) -> str:
-    lines = ["| arm | starting rate | seed | collapsed by H | time | last-100 reward | median lr | median updates | machine kind |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | starting rate | seed | collapsed by H | time | last-100 reward | median lr | median updates | CPU min | machine kind |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         lines.append(f"| {r['arm']} | {r['rate']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} | {r['final_reward']:.3f} "
                      f"| {'n/a' if r['lr_median'] is None else format(r['lr_median'], '.2e')} | {'n/a' if r['updates_median'] is None else format(r['updates_median'], '.1f')} "
-                     f"| {kind_label(r['machine_kind'])} |")
+                     f"| {'n/a' if r.get('cpu_min') is None else format(r['cpu_min'], '.0f')} | {kind_label(r['machine_kind'])} |")
     if rep["goal_pairs_across_machines"]:
         lines.append(f"\nNot as registered: seeds {rep['goal_pairs_across_machines']} ran the bound arm and GRPO at 2.5e-4 on different machine kinds.")
     if rep["status"] == "partial":

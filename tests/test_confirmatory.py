@@ -156,7 +156,8 @@ def test_c2_report_names_each_runs_machine_and_flags_pairs_across_machines(conf,
     """On copies of the committed C2 archives (and C1's, whose GRPO runs are C2's 5e-4 column):
     every archived run carries the machine kind its set recorded; a seed whose bound run and GRPO-at-
     2.5e-4 run ran on different machine kinds is flagged (the goal's pairs stay within a machine, as
-    registered); a run with metrics but no record yet (its set still running) counts as missing."""
+    registered); a run with metrics but no record yet (its set still running) counts as missing; each
+    run's CPU minutes are its recorded process CPU time."""
     lab = ROOT / "lab" / "archive" / "collapse"
     names = ["c1_5e-4", "c2_1e-3", "c2_5e-4", "c2_2.5e-4"]
     if not all((lab / n / "collapse.json").is_file() for n in names):
@@ -169,6 +170,7 @@ def test_c2_report_names_each_runs_machine_and_flags_pairs_across_machines(conf,
         name, arm = conf.C2_SETS[(r["arm"], r["rate"])]
         k = recorded[name][f"{arm}/seed{r['seed']}"]["machine_kind"]
         assert r["machine_kind"][:2] == [k["cpu_model"], str(tuple(k["cpu_flags_simd"]))], r
+        assert r["cpu_min"] * 60 == pytest.approx(recorded[name][f"{arm}/seed{r['seed']}"]["cpu_s"]), r  # CPU time per run, as registered
     assert rep["goal_pairs_across_machines"] == []
     seed = min(r["seed"] for r in rep["runs"] if r["arm"] == "bound")
     meta = json.loads((tmp_path / "c2_2.5e-4" / "collapse.json").read_text())
