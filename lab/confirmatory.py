@@ -2,7 +2,7 @@
 at 5e-4?) and C2's goal (does a drift bound keep every starting rate from collapsing?).
 
     python lab/confirmatory.py                 # C1: prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
-    python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json
+    python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json (and, complete, c2.png)
 
 Everything is recomputed from the archived per-step metrics with the registered rule
 (``lldslight.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
@@ -300,6 +300,49 @@ def c2_text(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def c2_figure(lab: Path, out: Path) -> dict:
+    """C2's runs over steps, as registered ("the bound arms' rate trajectories"): the trailing-20
+    reward of every run, the rate each bound run trained at (``train/lr``, its trailing-20 median:
+    the rate moves by x1.5 from one step to the next; log scale, the fixed rates as lines) and the updates it applied per rollout batch (``drift/updates``, trailing 20).
+    Returns, per panel, the runs drawn and their y values (what a test checks against the metrics)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {("grpo", "5e-4"): "tab:red", ("grpo", "1e-3"): "tab:purple", ("grpo", "2.5e-4"): "tab:green",
+               ("bound", "5e-4"): "tab:blue", ("bound", "1e-3"): "tab:cyan"}
+    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
+    drawn: dict[str, dict[str, list[float]]] = {"reward": {}, "lr": {}, "updates": {}}
+    for (arm, rate), (name, folder) in C2_SETS.items():
+        for seed in C2_SEEDS:
+            run = lab / name / folder / f"seed{seed}"
+            if not any(run.glob("metrics.csv*")):
+                continue
+            train = training_rows(run)
+            label, steps = f"{arm} {rate} seed{seed}", list(train.index)
+            panels = [("reward", axes[0], train["train/reward"].rolling(20, min_periods=1).mean())]
+            if arm == "bound":
+                panels += [("lr", axes[1], train["train/lr"].rolling(20, min_periods=1).median()), ("updates", axes[2], train["drift/updates"].rolling(20, min_periods=1).mean())]
+            for key, ax, values in panels:
+                ax.plot(steps, values, color=colours[(arm, rate)], lw=0.8, alpha=0.8,
+                        label=f"{arm} {rate}" if seed == min(C2_SEEDS) else None)
+                drawn[key][label] = [float(v) for v in values]
+    axes[0].set_ylabel("reward (trailing 20)")
+    axes[1].set_yscale("log")
+    for rate in (2.5e-4, 5e-4, 1e-3):
+        axes[1].axhline(rate, color="grey", ls=":", lw=0.8)
+    axes[1].set_ylabel("bound arms: train/lr\n(trailing-20 median)")
+    axes[2].set_ylabel("bound arms: updates applied\nper rollout batch (trailing 20)")
+    axes[2].set_xlabel("step")
+    axes[0].legend(loc="lower right", fontsize=8)
+    axes[0].set_title(f"C2: plain GRPO at three rates and the drift bound started at two, seeds {C2_SEEDS[0]}-{C2_SEEDS[-1]}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return drawn
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
@@ -310,6 +353,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         rep = c2_report(args.set.parent)
         print(c2_text(rep), end="")
         path = args.json or args.set.parent / "c2.json"
+        if rep["status"] == "complete":
+            c2_figure(args.set.parent, path.with_suffix(".png"))
+            print(f"figure: {path.with_suffix('.png')}")
     else:
         rep = report(args.set)
         print(text(rep), end="")

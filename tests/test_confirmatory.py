@@ -188,3 +188,29 @@ def test_kind_label(conf):
     assert conf.kind_label(["AMD EPYC", "('avx', 'avx2', 'avx512_bf16', 'fma')"]) == "AMD EPYC, avx512_bf16"
     assert conf.kind_label(["AMD EPYC", "('avx', 'avx2', 'fma')"]) == "AMD EPYC, avx2 only"
     assert conf.kind_label(["Some CPU", "('neon',)"]) == "Some CPU, ('neon',)"
+
+
+def test_c2_figure_draws_each_runs_metrics(conf, tmp_path):
+    """The C2 figure draws, per bound run, the trailing-20 median of the rate it trained at, read
+    here again with the csv module and a median written out; every archived run gets a reward line."""
+    import csv
+    import gzip
+    import statistics
+
+    lab = ROOT / "lab" / "archive" / "collapse"
+    run = lab / "c2_1e-3" / "bound" / "seed20"
+    if not (run / "metrics.csv.gz").is_file():
+        pytest.skip("C2's first archives are not committed")
+    drawn = conf.c2_figure(lab, tmp_path / "c2.png")
+    assert (tmp_path / "c2.png").stat().st_size > 10_000
+    with gzip.open(run / "metrics.csv.gz", "rt") as f:
+        lr: dict[int, float] = {}
+        for r in csv.DictReader(f):
+            if r.get("step") and r.get("train/lr") and int(float(r["step"])) < conf.HORIZON:
+                lr.setdefault(int(float(r["step"])), float(r["train/lr"]))
+    values = [lr[s] for s in sorted(lr)]
+    expected = [statistics.median(values[max(0, i - 19): i + 1]) for i in range(len(values))]
+    assert drawn["lr"]["bound 1e-3 seed20"] == pytest.approx(expected)
+    archived = sum(any((lab / name / arm / f"seed{s}").glob("metrics.csv*")) for name, arm in conf.C2_SETS.values() for s in conf.C2_SEEDS)
+    assert len(drawn["reward"]) == archived and set(drawn["lr"]) == set(drawn["updates"])
+    assert all(k.startswith("bound ") for k in drawn["lr"])

@@ -461,3 +461,49 @@ def test_light_warmstart_demo_recomputed_independently() -> None:
     assert f"without GRPO ({context_em:.3f})" in studies
     for seed, (_, after) in enumerate(first_ems):
         assert sum(after) / 64 < context_em, seed
+
+
+C2_SETS = {("bound", "5e-4"): ("c2_5e-4", "bound"), ("bound", "1e-3"): ("c2_1e-3", "bound"),
+           ("grpo", "5e-4"): ("c1_5e-4", "grpo"), ("grpo", "1e-3"): ("c2_1e-3", "grpo"), ("grpo", "2.5e-4"): ("c2_2.5e-4", "grpo")}
+
+
+def _median_column(run: Path, key: str) -> float | None:
+    """The median over logged steps of column ``key`` (csv module; one value per step)."""
+    with gzip.open(run / "metrics.csv.gz", "rt") as f:
+        values = {int(float(r["step"])): float(r[key]) for r in csv.DictReader(f) if r.get("step") and r.get(key)}
+    return statistics.median(values.values()) if values else None
+
+
+def _c2_runs() -> dict[tuple[str, str], dict[int, dict]]:
+    """C2's archived runs, (arm, rate) -> seed -> what this file computes from the metrics: the
+    collapse step (hold 30) and collapsed-by-H, the last-100 reward, the median rate, the machine."""
+    out: dict[tuple[str, str], dict[int, dict]] = {}
+    for key, (name, arm) in C2_SETS.items():
+        recorded = json.loads((LAB / name / "collapse.json").read_text())["meta"].get("runs", {}) if (LAB / name / "collapse.json").is_file() else {}
+        out[key] = {}
+        for s in range(20, 25):
+            run = LAB / name / arm / f"seed{s}"
+            if not (run / "metrics.csv.gz").is_file() or f"{arm}/seed{s}" not in recorded:
+                continue
+            start = _collapse_start(run, hold=30)
+            kind = recorded[f"{arm}/seed{s}"]["machine_kind"]
+            out[key][s] = {"start": start, "collapsed": start is not None and start < 1100, "last100": _last100_mean_reward(run),
+                           "lr": _median_column(run, "train/lr"), "cpu": (kind["cpu_model"], tuple(kind["cpu_flags_simd"]))}
+    return out
+
+
+def test_c2_runs_match_the_registered_analysis() -> None:
+    """Every archived C2 run as lab/confirmatory.py reads it (collapsed by H, last-100 reward,
+    median rate, machine) equals this file's own computation from the same metrics."""
+    runs = _c2_runs()
+    if not runs[("bound", "1e-3")]:
+        pytest.skip("C2 is not archived")
+    conf = load_lab("confirmatory")
+    rep = conf.c2_report()
+    seen = 0
+    for r in rep["runs"]:
+        mine = runs[(r["arm"], r["rate"])][r["seed"]]
+        assert r["collapsed"] == mine["collapsed"] and r["final_reward"] == pytest.approx(mine["last100"], abs=1e-9), r
+        assert r["lr_median"] == pytest.approx(mine["lr"]), r
+        seen += 1
+    assert seen == sum(map(len, runs.values()))
