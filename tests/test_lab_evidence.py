@@ -507,3 +507,53 @@ def test_c2_runs_match_the_registered_analysis() -> None:
         assert r["lr_median"] == pytest.approx(mine["lr"]), r
         seen += 1
     assert seen == sum(map(len, runs.values()))
+
+
+def test_c2_recomputed_independently() -> None:
+    """R13, the drift-bound set, from its archived metrics with this file's own code: collapses by
+    H (hold 30) per arm, the last-100 rewards and the paired differences against GRPO at 2.5e-4
+    with a t interval from scipy, Fisher from scipy, the machines; then the pages that quote them,
+    and the goal's verdict only as the registered conditions give it."""
+    from scipy.stats import t as student_t
+
+    runs = _c2_runs()
+    if any(len(v) < 5 for v in runs.values()):
+        pytest.skip("C2 is not complete")
+    seeds = range(20, 25)
+    k = {key: sum(r[s]["collapsed"] for s in seeds) for key, r in runs.items()}
+    assert k == {("bound", "5e-4"): 0, ("bound", "1e-3"): 0, ("grpo", "5e-4"): 5, ("grpo", "1e-3"): 5, ("grpo", "2.5e-4"): 0}
+    # the goal's pairs: a seed's bound runs and its GRPO-at-2.5e-4 run on one machine
+    for s in seeds:
+        assert len({runs[key][s]["cpu"] for key in runs if key != ("grpo", "5e-4")}) == 1
+    quoted, diff = {}, {}
+    for rate in ("5e-4", "1e-3"):
+        d = [runs[("bound", rate)][s]["last100"] - runs[("grpo", "2.5e-4")][s]["last100"] for s in seeds]
+        diff[rate] = mean = statistics.fmean(d)
+        half = student_t.ppf(0.975, 4) * statistics.stdev(d) / 5 ** 0.5
+        quoted[rate] = f"{mean:+.3f}** [{mean - half:+.3f}, {mean + half:+.3f}]"
+        assert _fisher(k[("grpo", rate)], 5, k[("bound", rate)], 5) == pytest.approx(1 / 252)  # by hand: 5 of 5 vs 0 of 5
+    # the registered goal: (i) no collapse in either bound arm and (ii) a mean difference >= 0, at both rates
+    goal_met = all(k[("bound", r)] == 0 and diff[r] >= 0 for r in ("5e-4", "1e-3"))
+    mean_reward = {key: statistics.fmean(r[s]["last100"] for s in seeds) for key, r in runs.items()}
+    steps = {key: sorted(r[s]["start"] for s in seeds) for key, r in runs.items() if key[0] == "grpo" and key[1] != "2.5e-4"}
+    median_lr = {rate: statistics.median(runs[("bound", rate)][s]["lr"] for s in seeds) for rate in ("5e-4", "1e-3")}
+
+    lab = page("docs", "collapse_lab.md")
+    for rate in ("5e-4", "1e-3"):
+        assert f"**{quoted[rate]} from {rate}" in lab.replace("\n  ", " ").replace("\\", "")
+    assert f"| collapsed by H (hold 30) | **0 of 5** | **0 of 5** | 5 of 5 (steps {steps[('grpo', '5e-4')][0]}-{steps[('grpo', '5e-4')][-1]}) " \
+           f"| 5 of 5 (steps {steps[('grpo', '1e-3')][0]}-{steps[('grpo', '1e-3')][-1]}) | 0 of 5 |" in lab
+    arms = [("bound", "5e-4"), ("bound", "1e-3"), ("grpo", "5e-4"), ("grpo", "1e-3"), ("grpo", "2.5e-4")]
+    assert "| mean last-100 reward | " + " | ".join(f"{mean_reward[a]:.3f}" for a in arms) + " |" in lab
+    assert f"| median rate (per run, then over runs) | {median_lr['5e-4']:.2e} | {median_lr['1e-3']:.2e} |".replace("e-04", "e-4") in lab
+    assert ("**Goal: met.**" if goal_met else "**Goal: not met.**") in lab
+    r13 = _row("R13")
+    short = {rate: quoted[rate].replace("**", "") for rate in quoted}
+    assert f"last-100 reward minus GRPO at 2.5e-4: {short['5e-4']} from 5e-4, {short['1e-3']} from 1e-3" in r13
+    assert "bound collapsed 0 of 5 from 5e-4 and 0 of 5 from 1e-3 (plain GRPO 5 of 5 at each)" in r13
+    assert r13.endswith("| met |" if goal_met else "| not met: no collapse at either rate, reward below the best fixed rate's |")
+    readme = _readme_row("a drift bound keeps any rate from collapsing")
+    lows = {rate: quoted[rate].split("[")[1].rstrip("]") for rate in quoted}
+    assert f"last-100 reward {short['5e-4'].split(' ')[0]} and {short['1e-3'].split(' ')[0]} vs GRPO at the best fixed rate" in readme
+    assert f"(95% t intervals [{lows['5e-4']}], [{lows['1e-3']}])" in readme and readme.endswith("| not met: held, but below the best rate |")
+    assert "0 of 10 collapsed (plain GRPO 10 of 10)" in readme
