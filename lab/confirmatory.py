@@ -303,8 +303,8 @@ def c2_text(rep: dict) -> str:
 def c2_figure(lab: Path, out: Path) -> dict:
     """C2's runs over steps, as registered ("the bound arms' rate trajectories"): the trailing-20
     reward of every run, the rate each bound run trained at (``train/lr``, its trailing-20 median:
-    the rate moves by x1.5 from one step to the next; log scale, the fixed rates as lines) and the updates it applied per rollout batch (``drift/updates``, trailing 20).
-    Returns, per panel, the runs drawn and their y values (what a test checks against the metrics)."""
+    the rate moves by x1.5 from one step to the next; log scale, the fixed rates as lines) and the
+    updates it applied per rollout batch (``drift/updates``, trailing 20). Returns, per panel, the runs drawn and their y values (what a test checks against the metrics)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,7 +323,8 @@ def c2_figure(lab: Path, out: Path) -> dict:
             label, steps = f"{arm} {rate} seed{seed}", list(train.index)
             panels = [("reward", axes[0], train["train/reward"].rolling(20, min_periods=1).mean())]
             if arm == "bound":
-                panels += [("lr", axes[1], train["train/lr"].rolling(20, min_periods=1).median()), ("updates", axes[2], train["drift/updates"].rolling(20, min_periods=1).mean())]
+                panels += [("lr", axes[1], train["train/lr"].rolling(20, min_periods=1).median()),
+                           ("updates", axes[2], train["drift/updates"].rolling(20, min_periods=1).mean())]
             for key, ax, values in panels:
                 ax.plot(steps, values, color=colours[(arm, rate)], lw=0.8, alpha=0.8,
                         label=f"{arm} {rate}" if seed == min(C2_SEEDS) else None)
@@ -343,6 +344,10 @@ def c2_figure(lab: Path, out: Path) -> dict:
     return drawn
 
 
+def shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
@@ -355,13 +360,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         path = args.json or args.set.parent / "c2.json"
         if rep["status"] == "complete":
             c2_figure(args.set.parent, path.with_suffix(".png"))
-            print(f"figure: {path.with_suffix('.png')}")
+            print(f"figure: {shown(path.with_suffix('.png'))}")
     else:
         rep = report(args.set)
         print(text(rep), end="")
         path = args.json or args.set / "c1.json"
     path.write_text(json.dumps(rep, indent=1) + "\n")
-    print(f"json: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(f"json: {shown(path)}")
     return 0
 
 
