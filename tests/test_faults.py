@@ -45,12 +45,19 @@ def test_a_killed_writers_temporary_file_is_removed_at_the_next_save(tmp_path):
         live.wait()
 
 
+def _default_sigint() -> None:
+    # A suite started in the background (`bash scripts/test.sh &` from a script) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: the fit would never see the
+    # Ctrl-C this file sends. The child gets the default disposition, as from a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_fit(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "lldslight.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
          "--trainer.max_steps", "40", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
          "--trainer.logger.init_args.version", name, *args],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
 
 
