@@ -94,11 +94,16 @@ def _collapsed(runs: dict[int, dict], horizon: int = 600) -> int:
     return sum(bool(s["collapsed"]) and s["step"] < horizon for s in runs.values())
 
 
-def _last100_mean_reward(run: Path) -> float:
-    """Mean train/reward over the last 100 logged steps, read with the csv module (not
-    lldslight/collapse.py nor lab/heal_eval.py)."""
+def _by_step(run: Path, key: str) -> dict[int, float]:
+    """Column ``key`` of a run's archived metrics, step -> value, read with the csv module (not
+    lldslight/collapse.py nor lab/heal_eval.py); a step logged on several rows keeps its last value."""
     with gzip.open(run / "metrics.csv.gz", "rt") as f:
-        rewards = {int(r["step"]): float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")}
+        return {int(float(r["step"])): float(r[key]) for r in csv.DictReader(f) if r.get("step") and r.get(key)}
+
+
+def _last100_mean_reward(run: Path) -> float:
+    """Mean train/reward over the last 100 logged steps."""
+    rewards = _by_step(run, "train/reward")
     last = sorted(rewards)[-100:]
     return sum(rewards[s] for s in last) / len(last)
 
@@ -467,16 +472,11 @@ C2_SETS = {("bound", "5e-4"): ("c2_5e-4", "bound"), ("bound", "1e-3"): ("c2_1e-3
            ("grpo", "5e-4"): ("c1_5e-4", "grpo"), ("grpo", "1e-3"): ("c2_1e-3", "grpo"), ("grpo", "2.5e-4"): ("c2_2.5e-4", "grpo")}
 
 
-def _median_column(run: Path, key: str) -> float | None:
-    """The median over logged steps of column ``key`` (csv module; one value per step)."""
-    with gzip.open(run / "metrics.csv.gz", "rt") as f:
-        values = {int(float(r["step"])): float(r[key]) for r in csv.DictReader(f) if r.get("step") and r.get(key)}
-    return statistics.median(values.values()) if values else None
-
-
-def _c2_runs() -> dict[tuple[str, str], dict[int, dict]]:
+@pytest.fixture(scope="module")
+def c2_runs() -> dict[tuple[str, str], dict[int, dict]]:
     """C2's archived runs, (arm, rate) -> seed -> what this file computes from the metrics: the
-    collapse step (hold 30) and collapsed-by-H, the last-100 reward, the median rate, the machine."""
+    collapse step (hold 30) and collapsed-by-H, the last-100 reward, the median rate, the machine
+    (read once for this file's two C2 tests)."""
     out: dict[tuple[str, str], dict[int, dict]] = {}
     for key, (name, arm) in C2_SETS.items():
         recorded = json.loads((LAB / name / "collapse.json").read_text())["meta"].get("runs", {}) if (LAB / name / "collapse.json").is_file() else {}
@@ -488,14 +488,14 @@ def _c2_runs() -> dict[tuple[str, str], dict[int, dict]]:
             start = _collapse_start(run, hold=30)
             kind = recorded[f"{arm}/seed{s}"]["machine_kind"]
             out[key][s] = {"start": start, "collapsed": start is not None and start < 1100, "last100": _last100_mean_reward(run),
-                           "lr": _median_column(run, "train/lr"), "cpu": (kind["cpu_model"], tuple(kind["cpu_flags_simd"]))}
+                           "lr": statistics.median(_by_step(run, "train/lr").values()), "cpu": (kind["cpu_model"], tuple(kind["cpu_flags_simd"]))}
     return out
 
 
-def test_c2_runs_match_the_registered_analysis() -> None:
+def test_c2_runs_match_the_registered_analysis(c2_runs) -> None:
     """Every archived C2 run as lab/confirmatory.py reads it (collapsed by H, last-100 reward,
     median rate, machine) equals this file's own computation from the same metrics."""
-    runs = _c2_runs()
+    runs = c2_runs
     if not runs[("bound", "1e-3")]:
         pytest.skip("C2 is not archived")
     conf = load_lab("confirmatory")
@@ -509,14 +509,14 @@ def test_c2_runs_match_the_registered_analysis() -> None:
     assert seen == sum(map(len, runs.values()))
 
 
-def test_c2_recomputed_independently() -> None:
+def test_c2_recomputed_independently(c2_runs) -> None:
     """R13, the drift-bound set, from its archived metrics with this file's own code: collapses by
     H (hold 30) per arm, the last-100 rewards and the paired differences against GRPO at 2.5e-4
     with a t interval from scipy, Fisher from scipy, the machines; then the pages that quote them,
     and the goal's verdict only as the registered conditions give it."""
     from scipy.stats import t as student_t
 
-    runs = _c2_runs()
+    runs = c2_runs
     if any(len(v) < 5 for v in runs.values()):
         pytest.skip("C2 is not complete")
     seeds = range(20, 25)
@@ -525,12 +525,12 @@ def test_c2_recomputed_independently() -> None:
     # the goal's pairs: a seed's bound runs and its GRPO-at-2.5e-4 run on one machine
     for s in seeds:
         assert len({runs[key][s]["cpu"] for key in runs if key != ("grpo", "5e-4")}) == 1
-    quoted, diff = {}, {}
+    diff, interval = {}, {}  # per starting rate: the mean paired difference, and "[low, high]" (95% t, 4 df)
     for rate in ("5e-4", "1e-3"):
         d = [runs[("bound", rate)][s]["last100"] - runs[("grpo", "2.5e-4")][s]["last100"] for s in seeds]
         diff[rate] = mean = statistics.fmean(d)
         half = student_t.ppf(0.975, 4) * statistics.stdev(d) / 5 ** 0.5
-        quoted[rate] = f"{mean:+.3f}** [{mean - half:+.3f}, {mean + half:+.3f}]"
+        interval[rate] = f"[{mean - half:+.3f}, {mean + half:+.3f}]"
         assert _fisher(k[("grpo", rate)], 5, k[("bound", rate)], 5) == pytest.approx(1 / 252)  # by hand: 5 of 5 vs 0 of 5
     # the registered goal: (i) no collapse in either bound arm and (ii) a mean difference >= 0, at both rates
     goal_met = all(k[("bound", r)] == 0 and diff[r] >= 0 for r in ("5e-4", "1e-3"))
@@ -540,7 +540,7 @@ def test_c2_recomputed_independently() -> None:
 
     lab = page("docs", "collapse_lab.md")
     for rate in ("5e-4", "1e-3"):
-        assert f"**{quoted[rate]} from {rate}" in lab.replace("\n  ", " ").replace("\\", "")
+        assert f"**{diff[rate]:+.3f}** {interval[rate]} from {rate}" in lab.replace("\n  ", " ").replace("\\", "")
     assert f"| collapsed by H (hold 30) | **0 of 5** | **0 of 5** | 5 of 5 (steps {steps[('grpo', '5e-4')][0]}-{steps[('grpo', '5e-4')][-1]}) " \
            f"| 5 of 5 (steps {steps[('grpo', '1e-3')][0]}-{steps[('grpo', '1e-3')][-1]}) | 0 of 5 |" in lab
     arms = [("bound", "5e-4"), ("bound", "1e-3"), ("grpo", "5e-4"), ("grpo", "1e-3"), ("grpo", "2.5e-4")]
@@ -548,12 +548,11 @@ def test_c2_recomputed_independently() -> None:
     assert f"| median rate (per run, then over runs) | {median_lr['5e-4']:.2e} | {median_lr['1e-3']:.2e} |".replace("e-04", "e-4") in lab
     assert ("**Goal: met.**" if goal_met else "**Goal: not met.**") in lab
     r13 = _row("R13")
-    short = {rate: quoted[rate].replace("**", "") for rate in quoted}
-    assert f"last-100 reward minus GRPO at 2.5e-4: {short['5e-4']} from 5e-4, {short['1e-3']} from 1e-3" in r13
+    assert (f"last-100 reward minus GRPO at 2.5e-4: {diff['5e-4']:+.3f} {interval['5e-4']} from 5e-4, "
+            f"{diff['1e-3']:+.3f} {interval['1e-3']} from 1e-3") in r13
     assert "bound collapsed 0 of 5 from 5e-4 and 0 of 5 from 1e-3 (plain GRPO 5 of 5 at each)" in r13
     assert r13.endswith("| met |" if goal_met else "| not met: no collapse at either rate, reward below the best fixed rate's |")
     readme = _readme_row("a drift bound keeps any rate from collapsing")
-    lows = {rate: quoted[rate].split("[")[1].rstrip("]") for rate in quoted}
-    assert f"last-100 reward {short['5e-4'].split(' ')[0]} and {short['1e-3'].split(' ')[0]} vs GRPO at the best fixed rate" in readme
-    assert f"(95% t intervals [{lows['5e-4']}], [{lows['1e-3']}])" in readme and readme.endswith("| not met: held, but below the best rate |")
+    assert f"last-100 reward {diff['5e-4']:+.3f} and {diff['1e-3']:+.3f} vs GRPO at the best fixed rate" in readme
+    assert f"(95% t intervals {interval['5e-4']}, {interval['1e-3']})" in readme and readme.endswith("| not met: held, but below the best rate |")
     assert "0 of 10 collapsed (plain GRPO 10 of 10)" in readme
