@@ -355,6 +355,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json; with --c2, c2.json beside the sets)")
     args = parser.parse_args(argv)
     if args.c2:
+        if not any((args.set.parent / name / "collapse.json").is_file() for name, _ in C2_SETS.values()):
+            raise SystemExit(f"confirmatory: no C2 set (c2_*/collapse.json, c1_5e-4/collapse.json) in {args.set.parent}: with --c2, "
+                             "--set must be a set inside the lab's archive (lab/archive/collapse/<name>)")
         rep = c2_report(args.set.parent)
         print(c2_text(rep), end="")
         path = args.json or args.set.parent / "c2.json"

@@ -150,6 +150,10 @@ def test_c2_report_is_partial_until_every_arm_is_archived(conf, tmp_path):
 def test_a_set_without_its_report_is_named(conf, tmp_path):
     with pytest.raises(SystemExit, match=r"confirmatory: .*collapse\.json not found: --set must be a set's archive"):
         conf.main(["--set", str(tmp_path)])
+    # --c2 reads the sets beside --set: a folder without any of them is named, and nothing is written there
+    with pytest.raises(SystemExit, match=r"confirmatory: no C2 set .* in .*: with --c2, --set must be a set inside the lab's archive"):
+        conf.main(["--c2", "--set", str(tmp_path / "missing" / "c1_5e-4")])
+    assert not (tmp_path / "missing").exists()
 
 
 def test_c2_report_names_each_runs_machine_and_flags_pairs_across_machines(conf, tmp_path):
