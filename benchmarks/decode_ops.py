@@ -3,8 +3,9 @@
     python benchmarks/decode_ops.py --json docs/decode_ops.json
     python benchmarks/decode_ops.py --precision fp32 --threads 2
     python benchmarks/decode_ops.py --sides current --rows 32 --bounds   # the library against its limits
+    python benchmarks/decode_ops.py --sides peft-forward current --rows 32 --bounds
 
-The two changes (2026-12-02), both exact (the same tensors come out):
+The first two changes (2026-12-02), both exact (the same tensors come out):
 
 - the ragged KV cache writes new keys and values with ``index_put`` instead of ``scatter_``
   (lldslight/rollout/cache.py): on this CPU torch 2.13's bf16 ``scatter_`` is far slower than
@@ -13,8 +14,12 @@ The two changes (2026-12-02), both exact (the same tensors come out):
   straight back at the adapter's matmul; lldslight/policy.py sets peft's ``cast_input_dtype_enabled``
   off).
 
-"previous" puts both back (a cache that writes with ``scatter_``, peft's casts on); "current" is
-the library as it is. Both decode the same random tokens from the same prefilled cache:
+The third (2026-12-05), exact too: while sampling, each LoRA Linear runs peft's operations without
+peft's per-call bookkeeping (lldslight/lora_forward.py).
+
+"previous" puts all three back (a cache that writes with ``scatter_``, peft's casts on, peft's
+forward); "peft-forward" puts back only the third; "current" is the library as it is. The report's
+ratio is current over the other side. Both decode the same random tokens from the same prefilled cache:
 SmolLM2-135M-Instruct with LoRA r=16 on every linear layer (as benchmarks/step.py), ``--rows`` rows
 at ``--context`` tokens of context, ``--steps`` 1-token steps per run, under the sampler's
 ``sampling_weights`` (autocast, the adapter path). The cache-write table times one layer's write
@@ -31,8 +36,10 @@ dtype): the part of the step outside all matmuls is what fusion or compilation c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from unittest import mock
 from pathlib import Path
 
 if __package__:
@@ -125,7 +132,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", nargs="+", default=["previous", "current"], choices=["previous", "current"])
+    p.add_argument("--sides", nargs="+", default=["previous", "current"], choices=["previous", "peft-forward", "current"])
     p.add_argument("--bounds", action="store_true", help="also measure the machine's limits and report the current side against them")
     p.add_argument("--json", default=None)
     harness.add_arguments(p)
@@ -133,6 +140,7 @@ def main(argv=None) -> dict:
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from lldslight import lora_forward
     from lldslight.policy import LoRAConfig, PolicyConfig, cpu_description, load_policy, sampling_weights
     from lldslight.rollout import Decoder
 
@@ -148,13 +156,17 @@ def main(argv=None) -> dict:
     fed = torch.randint(100, cfg.vocab_size - 100, (args.steps, S, 1))  # [steps, S, 1]
     ScatterCache = previous_cache_class()
 
+    def peft_forward():
+        """The sampler with peft's own LoRA forward: lora_forward refuses every layer."""
+        return mock.patch.object(lora_forward, "lean_forward", lambda layer: None)
+
     def decode(side: str) -> tuple[dict, "torch.Tensor"]:
         for layer in adapted:
             layer.cast_input_dtype_enabled = True if side == "previous" else current_casts
         dec = Decoder(model)
         if side == "previous":
             dec.cache = ScatterCache()
-        with torch.no_grad(), sampling_weights(model):
+        with torch.no_grad(), peft_forward() if side != "current" else contextlib.nullcontext(), sampling_weights(model):
             dec(prompt, torch.arange(P).expand(S, P), P)
             t0 = time.perf_counter()
             for t in range(args.steps):
@@ -162,8 +174,9 @@ def main(argv=None) -> dict:
             wall = time.perf_counter() - t0
         return {"ms_per_step": wall / args.steps * 1e3, "steps": args.steps}, logits
 
-    warm = {side: decode(side)[1] for side in args.sides}  # warm-up, and the two sides' outputs compared
-    max_diff = (warm["previous"] - warm["current"]).abs().max().item() if len(warm) == 2 else None
+    warm = {side: decode(side)[1] for side in args.sides}  # warm-up, and each side's outputs against current's
+    others = [side for side in args.sides if side != "current"] if "current" in args.sides else []
+    max_diff = {side: (warm[side] - warm["current"]).abs().max().item() for side in others}
 
     def run(side):
         with harness.LoadMeter() as m:
@@ -189,13 +202,15 @@ def main(argv=None) -> dict:
     print(f"\nDecode step, SmolLM2-135M-Instruct {args.precision} + LoRA r=16 (every linear), {S} rows at {P} tokens of context, "
           f"{args.threads} thread(s); medians [min-max] of {args.rounds} alternating rounds of {args.steps} steps")
     print("| side | ms per decode step |\n|---|---|")
-    labels = {"previous": "previous (scatter_ cache writes, peft input casts)", "current": "current"}
+    labels = {"previous": "previous (scatter_ cache writes, peft input casts, peft's LoRA forward)",
+              "peft-forward": "peft-forward (peft's LoRA forward)", "current": "current"}
     for side in args.sides:
         print(f"| {labels[side]} | {harness.fmt_spread(report['sides'][side]['ms_per_step'], '{:.1f}')} |")
-    if len(args.sides) == 2:
-        r = report["ratio"] = harness.ratio_summary(attempts, "current", "previous", "ms_per_step")
-        print(f"current / previous: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
-              f"largest logit difference between the sides after {args.steps} steps: {max_diff:.3g}")
+    report["ratios"] = {}
+    for side in others:
+        r = report["ratios"][side] = harness.ratio_summary(attempts, "current", side, "ms_per_step")
+        print(f"current / {side}: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
+              f"largest logit difference after {args.steps} steps: {max_diff[side]:.3g}")
     if args.bounds and "current" in args.sides:
         shape, compute = bounds.Shape.from_config(cfg), "fp32" if args.precision == "fp32" else "bf16"
         with harness.LoadMeter() as meter:

@@ -661,8 +661,9 @@ def sampling_weights(model: nn.Module) -> Iterator[None]:
     adapted weights during sampling. Skipped under FSDP2 (sharded weights; see distributed.py).
 
     bf16 base (precision bf16-mixed or bf16-true): never folded either, for the same reason as
-    an 8-bit one below; the adapter path runs, as in training. Every forward here runs under
-    :func:`precision_autocast`, as the trainer's do.
+    an 8-bit one below; the adapter path runs, as in training, each adapted Linear through
+    ``lora_forward.lean_adapters``: peft's operations without its per-call bookkeeping, the same
+    bits. Every forward here runs under :func:`precision_autocast`, as the trainer's do.
 
     Quantized base (QLoRA): never folded. A 4-bit weight is packed (W + delta means nothing for
     it) and an 8-bit one would round the small delta away, so sampling would follow the base
@@ -676,13 +677,16 @@ def sampling_weights(model: nn.Module) -> Iterator[None]:
 
 
 def _sampling_weights(model: nn.Module) -> Iterator[None]:
+    from lldslight.lora_forward import lean_adapters
+
     quantized = quantized_linears(model)
     if quantized:
         modes = [layer.training for layer in quantized]
         for layer in quantized:
             layer.train()
         try:
-            yield
+            with lean_adapters(model):  # only adapters on plain Linears: bitsandbytes' keep peft's forward
+                yield
         finally:
             for layer, mode in zip(quantized, modes):
                 layer.train(mode)
@@ -693,7 +697,9 @@ def _sampling_weights(model: nn.Module) -> Iterator[None]:
     # delta, and the sampler would follow the base policy while the trainer's ratios read 1.
     low_precision = arith is not None and (arith.frozen != torch.float32 or arith.autocast is not None)
     if not layers or low_precision or getattr(model, "_lldslight_no_merge", False) or not callable(getattr(model, "disable_adapter", None)):
-        yield
+        # The adapter path runs: peft's arithmetic, without its per-call bookkeeping (lora_forward.py).
+        with lean_adapters(model):
+            yield
         return
     originals = []
     with model.disable_adapter():
