@@ -192,3 +192,31 @@ def test_committed_decode_bounds_recomputed_and_quoted():
         row = (f"| {rows}, {threads} | {step:.1f} | {memory:.1f}, {compute:.1f} | **{limit / step:.0%}** | {linears:.1f} | "
                f"{b['adapter_matmuls_alone_ms']:.1f} | {outside:.1f} ({outside / step:.0%}) | {limit / (linears + b['adapter_matmuls_alone_ms']):.0%} |")
         assert row in page, row
+
+
+def test_committed_lean_adapter_figures_recomputed_and_quoted():
+    """docs/decode_lean_epyc_bf16.json (decode_ops.py --sides peft-forward current --bounds, 8 and 32
+    rows, 1 and 2 threads): each side's median and the ratio recomputed from the kept attempts'
+    raw per-run figures (statistics.median here, not the harness's summary), the two sides' logits
+    equal, every run quiet on an AVX512-BF16 CPU, and docs/speed.md's table row quoting them."""
+    import json
+    import statistics
+
+    from conftest import ROOT
+
+    runs = json.loads((ROOT / "docs" / "decode_lean_epyc_bf16.json").read_text())["runs"]
+    page = (ROOT / "docs" / "speed.md").read_text()
+    for rows, threads in ((8, 1), (8, 2), (32, 1), (32, 2)):
+        r = runs[f"rows{rows}_threads{threads}"]
+        assert r["quiet"]["quiet"] and (r["config"]["rows"], r["config"]["threads"]) == (rows, threads)
+        assert "avx512_bf16" in r["cpu"]["cpu_flags_simd"] and r["max_abs_logit_difference"] == {"peft-forward": 0.0}
+        kept = [a for a in r["attempts"] if a["kept"]]
+        ms = {side: [a["metrics"]["ms_per_step"] for a in kept if a["side"] == side] for side in ("peft-forward", "current")}
+        assert len(ms["current"]) == len(ms["peft-forward"]) == r["config"]["rounds"]
+        peft, lean = statistics.median(ms["peft-forward"]), statistics.median(ms["current"])
+        per_round = [c / p for c, p in zip(ms["current"], ms["peft-forward"])]
+        b = r["bounds"]
+        assert b["decode_step_ms"] == pytest.approx(lean)
+        row = (f"| {rows}, {threads} | {peft:.1f} | {lean:.1f} | **{lean / peft:.2f}** [{min(per_round):.2f}-{max(per_round):.2f}] | "
+               f"{b['bound_ms']:.1f} | {b['bound_ms'] / lean:.0%} | {b['outside_matmuls_ms']:.1f} ({b['outside_matmuls_ms'] / lean:.0%}) |")
+        assert row in page, row
