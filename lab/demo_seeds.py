@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("root", help="runs/demo_seeds (arm directories n{N}_seed{S}/version_K) or its archive")
     p.add_argument("--archive", default=None, help="also copy every arm's evidence here, gzipped")
     p.add_argument("--rule", choices=list(RULES), default="primary", help="the plan's verdict: " + "; ".join(f"{k}: {v}" for k, v in RULES.items()))
+    p.add_argument("--recipe-n", type=int, default=32, help="the N of the tested arms' directories n{N}_seed{S}")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     root = Path(args.root)
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     if args.archive:
         for (n, seed), run in find_arms(root).items():
             archive(run, Path(args.archive) / f"n{n}_seed{seed}")
-    r = report(root, rule=args.rule)
+    r = report(root, recipe_n=args.recipe_n, rule=args.rule)
     rows = list(r["arms"].items()) + ([(r["context"]["arm"] + " (context)", r["context"])] if "context" in r else [])
     print("| arm | test EM before -> after (n) | paired change (SE) | z | >= 2 SE | answered |\n|---|---|---|---|---|---|")
     for name, a in rows:

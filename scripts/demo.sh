@@ -10,12 +10,13 @@ bin="${LLDSLIGHT_VENV:-.venv}/bin"
 # skipped when already there.
 "$bin/lldslight" data synth --config configs/demo.yaml
 # By itself the 135M model never writes <search>/<answer>: EM reward 0 everywhere, no GRPO signal.
-# ~1 min of supervised warm start on the first 32 gold 1-search trajectories, laid out as the demo's
-# rollouts (top-2 passages, observations cut at 120 tokens): enough to learn the format, not yet to
-# answer reliably (greedy dev EM 0.03), which is what GRPO then learns. A 64-example warm start
-# answers from the start (dev EM 0.375) and leaves GRPO nothing it learns in minutes
-# (docs/demo_studies.md#the-demo-learns-from-a-light-warm-start). Skipped when already done.
+# ~1 min of supervised warm start on the gold trajectories among the first 60 training questions
+# that one search answers (~30, all one-hop), laid out as the demo's rollouts (top-2 passages,
+# observations cut at 120 tokens): the format and copying an answer from a passage, not yet
+# answering reliably, which is what GRPO then learns. Questions that need two searches are left
+# out: cut after one search, their gold answer is not in the context, and training on them taught
+# the model to write unsupported answers (docs/demo_studies.md). Skipped when already done.
 "$bin/lldslight" sft --data .lldslight/demo_data/train.jsonl --corpus .lldslight/demo_data/corpus.jsonl \
-  --out .lldslight/demo_warmstart --limit 32 --topk 2 --max-obs-tokens 120 --max-searches 1 \
-  --over-budget truncate --keep-unanswerable
+  --out .lldslight/demo_warmstart --limit 60 --topk 2 --max-obs-tokens 120 --max-searches 1 \
+  --over-budget skip --keep-unanswerable
 exec "$bin/lldslight" fit --config configs/demo.yaml --model.policy.model .lldslight/demo_warmstart "$@"
