@@ -107,3 +107,15 @@ def test_shipped_rule_needs_seed_0_and_one_more(tmp_path):
     r = ds.report(tmp_path, rule="shipped")
     assert not r["arms"]["n32_seed0"]["passes"] and r["shows_held_out_learning"] is False
     assert ds.report(tmp_path, rule="majority")["shows_held_out_learning"] is False  # 2 of 4 is not most
+
+
+def test_recipe_n_names_the_tested_arms(tmp_path, capsys):
+    """--recipe-n 60 reports the arms n60_seed*, not the n32 ones beside them (PLAN_warmstart_1hop.md)."""
+    ds = load_lab("demo_seeds")
+    _arm(tmp_path, "n32_seed0", [0, 0, 0, 0], [0, 0, 0, 0])  # fails: must not be read as the n60 arm
+    _arm(tmp_path, "n60_seed0", [0, 0, 0, 0], [1, 1, 1, 0])  # passes
+    _arm(tmp_path, "n60_seed1", [0, 0, 0, 0], [1, 0, 1, 1])  # passes
+    assert ds.main([str(tmp_path), "--recipe-n", "60", "--rule", "shipped"]) == 0
+    out = capsys.readouterr().out
+    assert "| n60_seed0 | 0.000 -> 0.750 (4) | +0.750 (0.250) | 3.00 | yes |" in out and "n32_seed0" not in out
+    assert "shows held-out learning (seed 0 passes and >= 2 seeds in all do): True" in out
