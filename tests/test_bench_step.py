@@ -215,24 +215,33 @@ def test_machine_records_the_cpus_simd_flags(step):
     assert m["cpu_capability"] and m["cpu_bf16"]
 
 
+def _doc() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "docs" / "speed.md").read_text()
+
+
+def _committed_bf16_medians(name: str):
+    """(threads, med) per thread count of a committed bf16 step.py JSON in docs/ (quiet, AVX512-BF16
+    recorded), with med(side, key) the median over the kept attempts computed here (statistics.median,
+    not the harness's summaries)."""
+    import statistics
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs" / name).read_text())
+    assert "avx512_bf16" in data["machine"]["cpu_flags_simd"]
+    for threads, res in data["precisions"]["bf16"]["threads"].items():
+        assert res["quiet"]["quiet"]
+        kept = [a for a in res["attempts"] if a["kept"]]
+        yield threads, lambda side, key, kept=kept: statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+
+
 def test_speed_doc_quotes_the_committed_bf16_json():
     """docs/speed.md's 2026-12-04 tables, recomputed by hand from docs/step_epyc_bf16.json's kept
     attempts (statistics.median per side, not the harness's summaries): the step per side, the
     ratios, and the split of the time saved."""
-    import statistics
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    data = json.loads((root / "docs" / "step_epyc_bf16.json").read_text())
-    assert "avx512_bf16" in data["machine"]["cpu_flags_simd"]
-    doc = (root / "docs" / "speed.md").read_text()
-    for threads, res in data["precisions"]["bf16"]["threads"].items():
-        assert res["quiet"]["quiet"]
-        kept = [a for a in res["attempts"] if a["kept"]]
-
-        def med(side, key):
-            return statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
-
+    doc = _doc()
+    for threads, med in _committed_bf16_medians("step_epyc_bf16.json"):
         step = {s: med(s, "step_s") for s in ("lldslight", "lldslight-auto", "lldslight-unshared", "trl")}
         gen = {s: med(s, "generation_s") for s in ("lldslight", "trl")}
         upd = {s: med(s, "update_s") for s in ("lldslight", "lldslight-unshared", "trl")}
@@ -253,3 +262,14 @@ def test_report_names_no_home_folder(step):
     spec = {"model_dir": str(Path.home() / ".cache" / "lldslight" / "models" / "m"), "prompts": ["x"], "lora_r": 16}
     assert step.recorded(spec) == {"model_dir": "~/.cache/lldslight/models/m", "lora_r": 16}
     assert step.recorded({"model_dir": "/elsewhere/m"})["model_dir"] == "/elsewhere/m"
+
+
+def test_committed_lean_step_figures_recomputed_and_quoted():
+    """docs/speed.md's 2026-12-05 table, recomputed by hand from docs/step_epyc_bf16_lean.json's
+    kept attempts (statistics.median per side): step, ratio, generation and update per side."""
+    doc = _doc()
+    for threads, med in _committed_bf16_medians("step_epyc_bf16_lean.json"):
+        step, gen, upd = ({s: med(s, key) for s in ("lldslight", "trl")} for key in ("step_s", "generation_s", "update_s"))
+        row = (f"| {threads} | {step['lldslight']:.2f} / {step['trl']:.2f} | **{step['lldslight'] / step['trl']:.2f}** "
+               f"| {gen['lldslight']:.2f} / {gen['trl']:.2f} | {upd['lldslight']:.2f} / {upd['trl']:.2f} |")
+        assert row in doc, row
