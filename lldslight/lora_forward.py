@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, Optional
 
+from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -36,10 +37,6 @@ def _hooked(module: nn.Module) -> bool:
 
 def lean_forward(layer: nn.Module) -> Optional[Callable[..., Tensor]]:
     """The lean forward of ``layer`` (a peft LoRA ``Linear``), or None where peft's must run."""
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:  # no peft: nothing to replace
-        return None
     if type(layer) is not LoraLinear or layer.merged or layer.disable_adapters:
         return None
     active = [name for name in layer.active_adapters if name in layer.lora_A]

@@ -409,8 +409,7 @@ def _as_shipped(arms: Path, n: int, t975_df2: float) -> dict:
     s0 = timing["runs"][f"n{n}_seed0"]
     assert s0["command"] == "bash scripts/demo.sh" and "avx512_bf16" in timing["machine"]["cpu_flags_simd"]
     minutes, seconds = divmod(round(s0["wall_s"]), 60)
-    with gzip.open(arms / f"n{n}_seed0" / "metrics.csv.gz", "rt") as f:
-        rewards = [float(r["train/reward"]) for r in csv.DictReader(f) if r.get("train/reward")]
+    rewards = _by_step(arms / f"n{n}_seed0", "train/reward").values()
     assert len(rewards) == 30
     return {"mean": mean, "interval": f"95% t interval {mean - half:+.3f} to {mean + half:+.3f}", "passing": sum(passing),
             "seed0_change": changes[0][0], "seed0_se": changes[0][1], "seed0_passes": passing[0],
