@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from lldslight import shared_prefix
+from lldslight import frozen_prefix, shared_prefix
 from lldslight.policy import causal_lm, decoder_and_head, precision_autocast
 
 CHUNK_BYTES = 32 * 2**20  # one [chunk, V] fp32 buffer: 170 positions at V = 49k, 55 at 152k
@@ -213,6 +213,7 @@ def token_logprobs(
     entropy_grad: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
     groups: Optional[Tensor] = None,
+    boundary: Optional["frozen_prefix.Boundary"] = None,
 ) -> tuple[Tensor, Tensor]:
     """log pi(input_ids[b, t] | input_ids[b, :t]) and the entropy at t, where ``mask[b, t]``.
 
@@ -220,19 +221,21 @@ def token_logprobs(
     :func:`chunk_positions`). ``entropy_grad=False``: the entropy is a detached diagnostic (no
     entropy bonus in the loss), computed in the forward only. ``groups`` [B]: rows with the same
     value may share their common prefix of token ids, encoded once (lldslight/shared_prefix.py;
-    the same values and gradients); None runs every row in full.
+    the same values and gradients); None runs every row in full. ``boundary``: the hidden state
+    entering the first trained layer, stored once per rollout batch (lldslight/frozen_prefix.py):
+    only the layers from there up run.
 
     Returns two [B, T] tensors in float32 (float64 for a float64 model), zero where ``mask`` is off
     (including t = 0).
     """
     with precision_autocast(model):  # the sampler's arithmetic (policy.precision), for every forward
         return _token_logprobs(model, input_ids, attention_mask, mask, chunk_size, temperature, with_entropy, entropy_grad, chunk_bytes,
-                               groups)
+                               groups, boundary)
 
 
 def _token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, chunk_size: Optional[int],
                     temperature: float, with_entropy: bool, entropy_grad: bool, chunk_bytes: int,
-                    groups: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    groups: Optional[Tensor] = None, boundary: Optional["frozen_prefix.Boundary"] = None) -> tuple[Tensor, Tensor]:
     decoder, head = decoder_and_head(model)
     mask = mask.bool().clone()
     mask[:, 0] = False  # the first token has no context to be predicted from
@@ -240,10 +243,16 @@ def _token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     layout = shared_prefix.pack_groups(input_ids, attention_mask, groups) if groups is not None and shared_prefix.supported(model) else None
     if layout is not None:
         # one packed sequence, each group's shared prefix once: row b's position t is row_index[b, t]
-        hidden = shared_prefix.packed_hidden(decoder, layout, getattr(causal_lm(model).config, "num_hidden_layers", None))  # [N, H]
+        if boundary is not None:
+            hidden = frozen_prefix.top_hidden(model, boundary.hidden, boundary.start, input_ids, attention_mask, layout)  # [N, H]
+        else:
+            hidden = shared_prefix.packed_hidden(decoder, layout, getattr(causal_lm(model).config, "num_hidden_layers", None))  # [N, H]
         selected = hidden[layout.row_index[rows, cols - 1]]  # [n, H]
     else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, T, H]
+        if boundary is not None:
+            hidden = frozen_prefix.top_hidden(model, boundary.hidden, boundary.start, input_ids, attention_mask)  # [B, T, H]
+        else:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, T, H]
         selected = hidden[rows, cols - 1]  # [n, H]
     targets = input_ids[rows, cols]  # [n]
     entropy = ("loss" if entropy_grad else "logged") if with_entropy else "none"

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import deprecated_keys, evaluation
+from lldslight import deprecated_keys, evaluation, frozen_prefix
 from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
@@ -155,6 +155,7 @@ class GRPOModule(pl.LightningModule):
         self.loaded_step: Optional[int] = None  # global_step of the checkpoint loaded, if any
         self.rng_after_step: Optional[dict] = None  # RNG at the end of the last step (exact resume; Heal restores it)
         self._saved_hparams: Optional[dict] = None  # the resumed checkpoint's hyper-parameters (on_train_start)
+        self._prefix_shared: dict[str, Any] = {}  # _reference_shares_prefix's answer for the current reference
 
     # -- model ------------------------------------------------------------------------------------
 
@@ -252,6 +253,9 @@ class GRPOModule(pl.LightningModule):
         the frozen reference: its own copy (full fine-tuning) or the policy with the adapter off."""
         model = self.reference if reference and self.reference is not None else self.policy
         adapter_off = self.policy.disable_adapter() if reference and self.reference is None else contextlib.nullcontext()
+        boundary = None
+        if traj.frozen_hidden is not None and traj.frozen_start is not None and (not reference or self._reference_shares_prefix(traj.frozen_start)):
+            boundary = frozen_prefix.Boundary(traj.frozen_hidden, traj.frozen_start)
         budget = self.policy_config.activation_budget_mb * 2**20 if self.policy_config.gradient_checkpointing == "auto" else None
         with adapter_off, activation_budget(model, budget):
             return through_root(model, lambda: token_logprobs(  # FSDP2 root hooks around direct decoder/head calls
@@ -264,7 +268,39 @@ class GRPOModule(pl.LightningModule):
                 with_entropy=with_entropy,
                 entropy_grad=bool(self.update_config.entropy_coef),  # else the entropy is a logged diagnostic only
                 groups=traj.group_id if self.update_config.shared_prefix else None,
+                boundary=boundary,
             ))
+
+    def with_frozen_prefix(self, traj: Trajectory, micro: list[Tensor]) -> Trajectory:
+        """``traj`` with the hidden state entering the first trained decoder layer stored on it
+        (``frozen_hidden``), computed once in the micro-batches ``micro``, so that every later pass
+        of this rollout batch runs only the layers from there up (lldslight/frozen_prefix.py);
+        ``traj`` unchanged where that does not apply (said once when it is turned on but cannot run)."""
+        if not self.update_config.frozen_prefix or self.policy is None:
+            return traj
+        start, why = frozen_prefix.start_layer(self.policy)
+        if start is None:
+            if why:
+                frozen_prefix.say_once(why, f"model.update.frozen_prefix: every pass runs the whole decoder ({why})")
+            return traj
+        budget = self.update_config.frozen_prefix_max_mb * 2**20
+        size = frozen_prefix.boundary_bytes(traj.input_ids.shape, frozen_prefix.hidden_size(self.policy), frozen_prefix.hidden_dtype(self.policy))
+        if size > budget:
+            frozen_prefix.say_once("budget", f"model.update.frozen_prefix: a rollout batch's layer-{start} hidden states take "
+                                   f"{size / 2**20:.0f} MiB, over frozen_prefix_max_mb = {self.update_config.frozen_prefix_max_mb:g}: "
+                                   "every pass runs the whole decoder (raise the budget to reuse them)")
+            return traj
+        hidden = frozen_prefix.compute(self.policy, traj.input_ids, traj.attention_mask,
+                                       traj.group_id if self.update_config.shared_prefix else None, start, micro)
+        return dataclasses.replace(traj, frozen_hidden=hidden, frozen_start=start)
+
+    def _reference_shares_prefix(self, start: int) -> bool:
+        """Whether the reference computes the policy's layers below ``start`` (checked once per
+        reference object and start: Heal may set a new reference)."""
+        key = (id(self.reference), start)
+        if self._prefix_shared.get("key") != key:
+            self._prefix_shared = {"key": key, "value": frozen_prefix.reference_shares(self.policy, self.reference, start)}
+        return bool(self._prefix_shared["value"])
 
     def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
         """No-grad log-probs [B, T] of ``rows`` (default: all) in micro-batches (update.batch_logprobs;

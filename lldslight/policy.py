@@ -102,6 +102,11 @@ class PolicyConfig:
             the adapter, norms and head of a quantized model in fp32). With random_init the random
             weights are quantized.
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
+        freeze_bottom_layers: full fine-tuning only (``lora`` null): keep the input embeddings (and
+            an output head tied to them) and the bottom N decoder layers frozen; only the layers
+            above train, and the update computes the frozen ones once per rollout batch
+            (``model.update.frozen_prefix``). 0 (default) trains every weight. Under LoRA, pick the
+            adapted layers with ``lora.layers_to_transform`` instead.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -116,9 +121,14 @@ class PolicyConfig:
     init_seed: int = 0
     quantization: Optional[Quantization] = None
     attn_implementation: Optional[str] = "sdpa"
+    freeze_bottom_layers: int = 0
 
     def __post_init__(self) -> None:
         self.precision = _configured_precision(self)
+        require(isinstance(self.freeze_bottom_layers, int) and self.freeze_bottom_layers >= 0, "policy.freeze_bottom_layers",
+                "an integer >= 0", self.freeze_bottom_layers)
+        require(self.freeze_bottom_layers == 0 or self.lora is None, "policy.freeze_bottom_layers", "0 with policy.lora set",
+                self.freeze_bottom_layers, "under LoRA the adapted layers are chosen with lora.layers_to_transform")
         if self.quantization is not None:
             require(self.precision != "bf16-true", "policy.precision", "'auto', 'fp32' or 'bf16-mixed' with policy.quantization",
                     self.precision, "peft keeps a quantized model's adapter, norms and head in fp32")
@@ -569,6 +579,8 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             for layer in model.modules():
                 if isinstance(layer, BaseTunerLayer):
                     layer.cast_input_dtype_enabled = False
+    if cfg.freeze_bottom_layers:
+        _freeze_bottom(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable (deprecated, removed in v6); older ones have only that.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -578,6 +590,18 @@ def load_policy(cfg: PolicyConfig, dequantize: bool = False) -> tuple[nn.Module,
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model._lldslight_arithmetic = arith  # read by precision_autocast (trainer and sampler)
     return model, tokenizer
+
+
+def _freeze_bottom(model: nn.Module, n: int) -> None:
+    """Freeze the input embeddings (a head tied to them with them) and decoder layers 0..n-1."""
+    decoder = causal_lm(model).get_decoder()
+    layers = getattr(decoder, "layers", None)
+    require(isinstance(layers, nn.ModuleList), "policy.freeze_bottom_layers", "0 for this model", n,
+            "its decoder has no 'layers' list to freeze the bottom of")
+    require(n < len(layers), "policy.freeze_bottom_layers", f"< the model's {len(layers)} decoder layers", n)
+    decoder.get_input_embeddings().requires_grad_(False)
+    for layer in list(layers)[:n]:
+        layer.requires_grad_(False)
 
 
 def _lora_targets(model: nn.Module, lora: LoRAConfig) -> Union[str, list[str]]:

@@ -71,6 +71,8 @@ class PackedGroups:
     suffix_mask: Tensor  # [B, 1, S, T] bool: row b's own tokens see its keys up to themselves
     output_index: Tensor  # [N] where each packed token's output lies in cat(prefix slots, suffix slots)
     tokens_plain: int  # B x T: what the plain forward encodes
+    source_rows: Optional[Tensor] = None  # [N] the row each packed token is taken from
+    source_cols: Optional[Tensor] = None  # [N] its column in that row (frozen_prefix gathers stored hidden states by them)
     calls: int = field(default=0)  # attention calls that ran split (checked after the forward)
 
     @property
@@ -178,6 +180,8 @@ def pack_groups(input_ids: Tensor, attention_mask: Tensor, groups: Tensor) -> Op
         suffix_mask=suffix_mask[:, None].to(device),
         output_index=output_index.to(device),
         tokens_plain=B * T,
+        source_rows=flat_rows.to(device),
+        source_cols=flat_cols.to(device),
     )
 
 
@@ -252,12 +256,16 @@ def supported(model: nn.Module) -> bool:
     return not getattr(config, "attn_logit_softcapping", None)
 
 
-def packed_hidden(decoder: nn.Module, layout: PackedGroups, num_layers: Optional[int]) -> Tensor:
-    """The decoder's last hidden states [N, H] over the packed sequence."""
+def packed_hidden(decoder: nn.Module, layout: PackedGroups, num_layers: Optional[int],
+                  inputs_embeds: Optional[Tensor] = None) -> Tensor:
+    """The decoder's last hidden states [N, H] over the packed sequence; ``inputs_embeds`` [1, N, H]
+    replaces the embedding of ``layout.input_ids`` (frozen_prefix.py: a stored hidden state enters
+    the upper layers), and ``num_layers`` is how many layers the decoder runs."""
     install()
+    layout.calls = 0  # a layout may run more than once (frozen_prefix: the boundary, then the top)
     ones = torch.ones_like(layout.input_ids)  # [1, N]: no padding (lets transformers skip building a mask)
-    out = decoder(input_ids=layout.input_ids, attention_mask=ones, position_ids=layout.position_ids, use_cache=False,
-                  **{LAYOUT_KWARG: layout})
+    tokens = {"input_ids": layout.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    out = decoder(**tokens, attention_mask=ones, position_ids=layout.position_ids, use_cache=False, **{LAYOUT_KWARG: layout})
     if layout.calls == 0 or (num_layers is not None and layout.calls != num_layers):
         raise RuntimeError(f"shared-prefix forward: the split attention ran in {layout.calls} of {num_layers} layers (the "
                            "model does not pass attention keyword arguments through); set model.shared_prefix: false")

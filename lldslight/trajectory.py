@@ -52,6 +52,8 @@ class Trajectory:
     ref_logp: Tensor | None = None  # [B, T]
     old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
     pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.update.negative_advantages)
+    frozen_hidden: Tensor | None = None  # [B, T, H] the hidden state entering decoder layer frozen_start (frozen_prefix.py)
+    frozen_start: int | None = None  # the first trained decoder layer; None when frozen_hidden is
     extras: dict[str, Any] = field(default_factory=dict)  # per-row lists/tensors are sliced by select
 
     def __len__(self) -> int:
@@ -71,7 +73,7 @@ class Trajectory:
         def rows(value: Any) -> Any:
             if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == B:
                 value = value[idx.to(value.device)]
-                return value[:, :width] if value.dim() == 2 and value.shape[1] == T else value
+                return value[:, :width] if value.dim() in (2, 3) and value.shape[1] == T else value
             if isinstance(value, list) and len(value) == B:
                 return [value[i] for i in idx.tolist()]
             return value
@@ -102,9 +104,13 @@ class Trajectory:
                 if values[0].dim() == 2:
                     pad = -1 if f.name == "action_id" else 0
                     values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=pad) for v in values]
+                elif values[0].dim() == 3:  # [B, T, H]: pad the positions
+                    values = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[1])) for v in values]
                 out[f.name] = torch.cat(values)
             elif all(v is None for v in values):
                 out[f.name] = None
+            elif f.name == "frozen_start" and len(set(values)) == 1:
+                out[f.name] = values[0]
             elif all(isinstance(v, list) for v in values):
                 out[f.name] = [x for v in values for x in v]
             else:

@@ -112,6 +112,14 @@ class UpdateConfig:
     shared_prefix: bool = True
     """Encode a group's shared prompt once per micro-batch in every update forward (shared_prefix.py;
     the same log-probs and gradients); micro-batches keep a group's rows together."""
+    frozen_prefix: bool = True
+    """When only the decoder layers from L up train (LoRA's ``layers_to_transform``, or
+    ``policy.freeze_bottom_layers``), compute the embeddings and layers below L once per rollout
+    batch and run every later pass (old, reference, training, LLDMonitor's) from layer L
+    (frozen_prefix.py; the same log-probs and gradients). No effect where every layer trains."""
+    frozen_prefix_max_mb: float = 2048.0
+    """The most memory the stored hidden states (rows x tokens x hidden size) may take, in MiB;
+    above it every pass runs the whole decoder (said once)."""
 
     def __post_init__(self) -> None:
         require(self.grad_clip >= 0, "model.update.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
@@ -132,6 +140,8 @@ class UpdateConfig:
                 "> 0 (a KL in nats per token, e.g. 0.01-0.05) or null (no drift bound)", self.target_kl)
         require(math.isfinite(self.target_kl_factor) and self.target_kl_factor >= 1.0, "model.update.target_kl_factor",
                 ">= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
+        require(self.frozen_prefix_max_mb >= 0 and math.isfinite(self.frozen_prefix_max_mb), "model.update.frozen_prefix_max_mb",
+                ">= 0 (MiB)", self.frozen_prefix_max_mb)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.update.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 
@@ -218,6 +228,10 @@ class Learner(Protocol):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimiser steps (their gradients are clipped and gated)."""
 
+    def with_frozen_prefix(self, traj: Trajectory, micro: list[Tensor]) -> Trajectory:
+        """``traj`` with whatever its later passes can reuse computed once (GRPOModule: the frozen
+        bottom layers' output, frozen_prefix.py), in the micro-batches ``micro``; or ``traj``."""
+
     def manual_backward(self, loss: Tensor) -> None:
         """Backpropagate ``loss`` (through the strategy: DDP, FSDP2)."""
 
@@ -283,10 +297,13 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
     minibatches = [m for m in torch.tensor_split(order, cfg.updates_per_rollout) if len(m)]
     hostmem.trim()  # what the rollout freed: the update's peak starts from the idle process
     t0 = time.perf_counter()
+    # The frozen bottom layers' output, once for every pass of this rollout batch (frozen_prefix.py).
+    traj = module.with_frozen_prefix(traj, micro_batches(module, traj, torch.arange(len(traj))))
+    timings = {"frozen_prefix_s": time.perf_counter() - t0}
     traj = prepare(module, traj, onpolicy_rows=minibatches[0] if cfg.reuse_onpolicy_logp else None)
     # V for LLDS-MA: once per rollout batch, on every rank (a collective), never inside an update.
     searches = mean_valid_searches(traj) if module.loss_terms else float("nan")
-    timings = {"logprob_s": time.perf_counter() - t0}
+    timings["logprob_s"] = time.perf_counter() - t0
     hostmem.trim()
 
     t0 = time.perf_counter()

@@ -68,6 +68,9 @@ class ToyLearner:
     def trainable_parameters(self):
         return [self.theta]
 
+    def with_frozen_prefix(self, traj, micro):
+        return traj  # no layers: nothing to reuse
+
     def manual_backward(self, loss):
         loss.backward()
 
