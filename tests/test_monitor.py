@@ -107,3 +107,25 @@ def test_bad_arguments_are_named() -> None:
         LLDMonitor(on_warning="panic")
     with pytest.raises(ValueError, match="correct_set"):
         LLDMonitor(correct_set="A>=0")
+
+
+def test_the_monitor_counts_negative_tokens_in_prefixes_shared_with_a_correct_row():
+    """lld/neg_shared_share on a hand-worked group: rows (prompt 1 2 | model tokens):
+    row 0, A > 0: 1 2 | 5 6 7;  row 1, A < 0: 1 2 | 5 6 9 9;  row 2, A < 0: 1 2 | 8 6.
+    Row 1 shares 5 6 with row 0 (2 of its 4 model tokens), row 2 none of its 2: 2 of 6."""
+    import torch
+
+    from lldslight.callbacks.monitor import neg_shared_share
+    from lldslight.trajectory import Trajectory
+
+    ids = torch.tensor([[1, 2, 5, 6, 7, 0], [1, 2, 5, 6, 9, 9], [1, 2, 8, 6, 0, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    mask = attn.bool() & (torch.arange(6) >= 2)
+    traj = Trajectory(
+        input_ids=ids, attention_mask=attn, prompt_len=torch.tensor([2, 2, 2]), loss_mask=mask, action_id=torch.where(mask, 0, -1),
+        answer_mask=torch.zeros_like(mask), group_id=torch.zeros(3, dtype=torch.long), reward=torch.tensor([1.0, 0.0, 0.0]),
+        num_searches=torch.zeros(3, dtype=torch.long), num_invalid=torch.zeros(3, dtype=torch.long),
+        num_actions=torch.ones(3, dtype=torch.long), finish_reason=["answer"] * 3, data_source=["t"] * 3, responses=[""] * 3,
+        advantage=torch.tensor([1.0, -0.5, -0.5]),
+    )
+    assert neg_shared_share(traj) == (2.0, 6.0)

@@ -104,6 +104,7 @@ class LLDMonitor(pl.Callback):
         stats = diag.likelihood_stats(traj.old_logp, traj.loss_mask, traj.advantage, traj.action_id, traj.ref_logp)
         stats["lld/n_pos"] = (float((traj.advantage > 0).sum()), 1.0)
         stats["lld/n_neg"] = (float((traj.advantage < 0).sum()), 1.0)
+        stats["lld/neg_shared_share"] = neg_shared_share(traj)
         stats.update(diag.tool_call_stats(traj.num_searches, traj.num_actions))
         if traj.sample_logp is not None and getattr(pl_module, "tokenizer", None) is not None:
             stats.update(self._control_tokens(pl_module.tokenizer, traj))
@@ -241,3 +242,16 @@ class LLDMonitor(pl.Callback):
         self.detector.load_state_dict(state_dict["detector"])
         self.warning_steps = list(state_dict.get("warning_steps", []))
         self.checkpoints = list(state_dict.get("checkpoints", []))
+
+
+def neg_shared_share(traj) -> tuple[float, float]:
+    """(tokens, of tokens): the model tokens of A < 0 rows that lie in a prefix they share with an
+    A > 0 row of their group (objectives.shared_prefix_negatives: the paper's LLD route, where an
+    incorrect response's negative gradient lands on a correct one's identical first actions), out
+    of all model tokens of A < 0 rows; a mean over ranks as the other lld/* keys."""
+    from lldslight.objectives import shared_prefix_negatives
+
+    shared = shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, traj.advantage)
+    negative = traj.loss_mask & (traj.advantage < 0)[:, None]
+    return float(shared.sum()), float(negative.sum())
+
