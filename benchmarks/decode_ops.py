@@ -1,6 +1,6 @@
 """A bf16 decode step before and after two changes, measured side by side in one process.
 
-    python benchmarks/decode_ops.py --json docs/decode_ops.json
+    python benchmarks/decode_ops.py --json benchmarks/results/decode_ops.json
     python benchmarks/decode_ops.py --precision fp32 --threads 2
     python benchmarks/decode_ops.py --sides current --rows 32 --bounds   # the library against its limits
     python benchmarks/decode_ops.py --sides peft-forward current --rows 32 --bounds

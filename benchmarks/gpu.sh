@@ -2,11 +2,11 @@
 # One GRPO step on one H200: a random-init Qwen2.5-1.5B-shaped model (bf16, LoRA r=16, gradient
 # checkpointing), 64 prompts x G=5, 3 search turns then the answer, 128 new tokens per turn.
 # Prints rollout tokens/s, step time split, peak GPU memory and model FLOPs utilisation, as a table
-# last. Self-contained: it needs only PyTorch, transformers, peft and lightning (all in the device
-# image) and this repository; it finishes in well under 8 minutes on an H200.
+# last. Self-contained: it needs only PyTorch, transformers, peft and lightning (no demo model
+# package, no network) and this repository; it finishes in well under 8 minutes on an H200.
 #
-#   bash benchmarks/gpu.sh --prepare   # here, once: copy the tokenizer + config it needs into
-#                                      # benchmarks/.gpu_assets (ignored; carry it to the device)
+#   bash benchmarks/gpu.sh --prepare   # where the demo model is, once: copy the tokenizer + config it
+#                                      # needs into benchmarks/.gpu_assets (git-ignored: copy it along)
 #   bash benchmarks/gpu.sh             # on the GPU machine (STEPS=2 measured steps after a warm-up)
 #   SMOKE=1 bash benchmarks/gpu.sh     # anywhere: a tiny model on CPU, to check the script runs
 #
@@ -31,7 +31,7 @@ out.mkdir(parents=True, exist_ok=True)
 for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
     if (src / name).exists():
         shutil.copy(src / name, out / name)
-print(f"tokenizer + config copied to {out} (carry it: run(carry=['{out}']))")
+print(f"tokenizer + config copied to {out}: copy it to the GPU machine with the repository")
 EOF
   exit 0
 fi
@@ -58,7 +58,7 @@ if not (assets / "config.json").exists():
     try:
         assets = Path(resolve_model_dir(PolicyConfig()))
     except Exception as err:  # no demo model here: the assets must have been carried
-        sys.exit(f"need {assets}: run 'bash benchmarks/gpu.sh --prepare' on a machine with lldslight's demo model, then carry it ({err})")
+        sys.exit(f"need {assets}: run 'bash benchmarks/gpu.sh --prepare' on a machine with lldslight's demo model, then copy it here ({err})")
 cuda = torch.cuda.is_available() and not smoke
 if not cuda and not smoke:
     sys.exit("no CUDA device: run on the GPU machine, or SMOKE=1 for the CPU check")

@@ -4,8 +4,8 @@
         --json lab/archive/collapse/alarm.json
 
 Every run is an archived lab run (DIR/<arm>/seed<S>/metrics.csv.gz, lab/collapse.py). Its
-collapse step comes from lldslight/collapse.py (reward and answered rate only), never from the
-alarm. The alarm (lldslight/alarm.py, its form fixed before these runs) is replayed offline
+collapse step comes from lldslight/science/collapse.py (reward and answered rate only), never from the
+alarm. The alarm (lldslight/science/alarm.py, its form fixed before these runs) is replayed offline
 (``replay_alarm``) for each threshold h of ``--h``:
 
 - calibration: h = the smallest value of the grid whose false-alarm rate on the calibration runs
@@ -29,8 +29,8 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight import collapse as C
-from lldslight.alarm import AlarmConfig, replay_alarm
+from lldslight.science import collapse as C
+from lldslight.science.alarm import AlarmConfig, replay_alarm
 
 GRID = [2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0]
 

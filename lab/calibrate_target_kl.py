@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
 PILOT = ROOT / "lab" / "archive" / "collapse" / "c2_pilot_2.5e-4" / "grpo"

@@ -17,7 +17,7 @@ As each run ends, its per-step metrics are archived, gzip-compressed, in
 ``lab/archive/collapse/<name>/<arm>/seed<S>/`` (metrics.csv.gz, summary.json): the evidence every
 number of the report is recomputed from (``--report-only`` reads only the archive).
 
-Per run (lldslight/collapse.py, no detector involved): whether and when it collapsed, death or
+Per run (lldslight/science/collapse.py, no detector involved): whether and when it collapsed, death or
 decay, peak and final reward, explosions; the LLDMonitor's first warning and its lead. Per arm:
 collapses out of N. Tests (pre-registered, lab/archive/collapse/PREREGISTRATION.md): one-sided Fisher
 exact on "collapsed by the horizon" of the first arm (``--baseline``, default the first of
@@ -46,7 +46,7 @@ from typing import Optional
 
 import yaml
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = "lab/configs/constant.yaml"

@@ -5,7 +5,7 @@ at 5e-4?) and C2's goal (does a drift bound keep every starting rate from collap
     python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json (and, complete, c2.png)
 
 Everything is recomputed from the archived per-step metrics with the registered rule
-(``lldslight.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
+(``lldslight.science.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
 runs (seeds 20-29, GRPO and LLDS) are archived the set is *partial*: the runs are listed and no
 test is computed, as registered. Then:
 
@@ -38,7 +38,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median

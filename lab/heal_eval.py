@@ -6,7 +6,7 @@
 
 Each directory holds archived lab runs (``seed<S>/metrics.csv.gz``, lab/collapse.py); runs
 are paired by seed (a seed missing from an arm is reported as missing). Per seed and arm: collapsed
-by the horizon (``lldslight/collapse.py``, reward and answered rate only), the collapse step, the
+by the horizon (``lldslight/science/collapse.py``, reward and answered rate only), the collapse step, the
 mean reward over the last 100 steps; for the healed run, every heal (the step it acted on, the
 alarm's onset, the snapshot put back, the rate after) and whether it was a *false-alarm heal*: the
 same seed's unhealed run did not collapse within ``--window`` (100) steps after the alarm. The
@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 
 def load(directory: Optional[str]) -> dict[int, dict]:

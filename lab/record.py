@@ -4,7 +4,7 @@
 
 The earlier registration (lab/archive/collapse/PREREGISTRATION.md) let five primary-endpoint tests
 be run, each at its own level. This recomputes each from the archived per-step metrics
-(``lldslight.collapse``: the registered collapse rule) and reports, for each, the counts, the
+(``lldslight.science.collapse``: the registered collapse rule) and reports, for each, the counts, the
 one-sided Fisher p, Holm's adjustment over the five, the set's horizon rule (GRPO's median time to
 collapse, held runs counted at the horizon, against H / 2), and the count under a 30-step hold.
 Nothing here is a new test: it is the record, with its multiplicity and its rules applied.
@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHIVE = ROOT / "lab" / "archive" / "collapse"

@@ -23,7 +23,7 @@ TOOLS = {
     "data": ("lldslight.data.cli:main", "synthesise or inspect data: lldslight data synth --out DIR"),
     "index": ("lldslight.retrieval.cli:index_main", "build a BM25 or dense index over a corpus jsonl"),
     "serve": ("lldslight.retrieval.cli:serve_main", "serve an index over Search-R1's HTTP API"),
-    "plot": ("lldslight.plots:main", "plot the LLD diagnostics of one or more runs"),
+    "plot": ("lldslight.science.plots:main", "plot the LLD diagnostics of one or more runs"),
     "sft": ("lldslight.sft:main", "supervised warm start on gold search trajectories (before GRPO)"),
     "export": ("lldslight.export:main", "merge the adapter of a checkpoint into a HF model directory"),
 }

@@ -30,7 +30,7 @@ def monitored_run(tmp_path_factory, synth_kb, bm25) -> dict:
     from conftest import tiny_policy_config
     from lldslight.callbacks import LLDMonitor, SearchRollout
     from lldslight.data.datamodule import SearchQADataModule
-    from lldslight.diagnostics import PhaseConfig
+    from lldslight.science.diagnostics import PhaseConfig
     from lldslight.module import GRPOModule
     from lldslight.rollout import RolloutConfig
 

@@ -1,4 +1,4 @@
-"""The collapse alarm's rule (lldslight.alarm) on hand-built series whose statistics are worked out
+"""The collapse alarm's rule (lldslight.science.alarm) on hand-built series whose statistics are worked out
 by hand in the comments, its state, its offline replay, and its config checks."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lldslight.alarm import AlarmConfig, AlarmRule, read_metrics_csv, replay_alarm
+from lldslight.science.alarm import AlarmConfig, AlarmRule, read_metrics_csv, replay_alarm
 from lldslight.errors import ConfigError
 
 NAN = float("nan")

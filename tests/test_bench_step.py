@@ -222,13 +222,13 @@ def _doc() -> str:
 
 
 def _committed_bf16_medians(name: str):
-    """(threads, med) per thread count of a committed bf16 step.py JSON in docs/ (quiet, AVX512-BF16
+    """(threads, med) per thread count of a committed bf16 step.py JSON in benchmarks/results/ (quiet, AVX512-BF16
     recorded), with med(side, key) the median over the kept attempts computed here (statistics.median,
     not the harness's summaries)."""
     import statistics
     from pathlib import Path
 
-    data = json.loads((Path(__file__).resolve().parents[1] / "docs" / name).read_text())
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / name).read_text())
     assert "avx512_bf16" in data["machine"]["cpu_flags_simd"]
     for threads, res in data["precisions"]["bf16"]["threads"].items():
         assert res["quiet"]["quiet"]
@@ -237,7 +237,7 @@ def _committed_bf16_medians(name: str):
 
 
 def test_speed_doc_quotes_the_committed_bf16_json():
-    """docs/speed.md's 2026-12-04 tables, recomputed by hand from docs/step_epyc_bf16.json's kept
+    """docs/speed.md's 2026-12-04 tables, recomputed by hand from benchmarks/results/step_epyc_bf16.json's kept
     attempts (statistics.median per side, not the harness's summaries): the step per side, the
     ratios, and the split of the time saved."""
     doc = _doc()
@@ -265,7 +265,7 @@ def test_report_names_no_home_folder(step):
 
 
 def test_committed_lean_step_figures_recomputed_and_quoted():
-    """docs/speed.md's 2026-12-05 table, recomputed by hand from docs/step_epyc_bf16_lean.json's
+    """docs/speed.md's 2026-12-05 table, recomputed by hand from benchmarks/results/step_epyc_bf16_lean.json's
     kept attempts (statistics.median per side): step, ratio, generation and update per side."""
     doc = _doc()
     for threads, med in _committed_bf16_medians("step_epyc_bf16_lean.json"):

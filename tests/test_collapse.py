@@ -1,4 +1,4 @@
-"""lldslight.collapse on hand-built series: each expected step is worked out by hand in the test."""
+"""lldslight.science.collapse on hand-built series: each expected step is worked out by hand in the test."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 CRIT = C.CollapseCriteria(smooth=2, hold=3, mode_window=4)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lld_run import AlternatingReward
-from lldslight.alarm import SIGNALS, AlarmConfig, read_metrics_csv, replay_alarm
+from lldslight.science.alarm import SIGNALS, AlarmConfig, read_metrics_csv, replay_alarm
 from lldslight.errors import ConfigError
 
 # Tiny-run scale: a 3-step baseline, then statistics sensitive enough (k = 0, h = 0.3) that the

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lldslight import diagnostics as diag
+from lldslight.science import diagnostics as diag
 
 # Three responses (rows), 6 positions; position 0 is the prompt. Row 0: A>0 with two actions
 # (action 1 after an observation at t=3); row 1: A<0, one action; row 2: A=0, one short action.

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lldslight.alarm import AlarmConfig
+from lldslight.science.alarm import AlarmConfig
 from lldslight.callbacks import LLDS, CollapseAlarm, GradientSpikeGuard, Heal, LLDMonitor
-from lldslight.diagnostics import PhaseConfig
+from lldslight.science.diagnostics import PhaseConfig
 from lldslight.errors import ConfigError
 from lldslight.module import GRPOModule
 from lldslight.policy import load_policy

@@ -51,7 +51,7 @@ def metrics(path: Path) -> dict[int, dict[str, float]]:
 
 
 def test_configs_heal_yaml_builds_its_callbacks():
-    from lldslight.alarm import AlarmConfig
+    from lldslight.science.alarm import AlarmConfig
     from lldslight.callbacks import CollapseAlarm, Heal
 
     alarm, heal = yaml.safe_load((ROOT / "configs" / "heal.yaml").read_text())["trainer"]["callbacks+"]

@@ -62,7 +62,7 @@ def test_committed_report_is_recomputed_from_its_metrics(collapse, name: str, tm
 
 
 def _arm_runs(name: str, arm: str) -> dict[int, dict]:
-    from lldslight import collapse as C
+    from lldslight.science import collapse as C
 
     out = {}
     for run in sorted((LAB / name / arm).glob("seed*")):
@@ -96,7 +96,7 @@ def _collapsed(runs: dict[int, dict], horizon: int = 600) -> int:
 
 def _by_step(run: Path, key: str) -> dict[int, float]:
     """Column ``key`` of a run's archived metrics, step -> value, read with the csv module (not
-    lldslight/collapse.py nor lab/heal_eval.py); a step logged on several rows keeps its last value."""
+    lldslight/science/collapse.py nor lab/heal_eval.py); a step logged on several rows keeps its last value."""
     with gzip.open(run / "metrics.csv.gz", "rt") as f:
         return {int(float(r["step"])): float(r[key]) for r in csv.DictReader(f) if r.get("step") and r.get(key)}
 

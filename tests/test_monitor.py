@@ -35,7 +35,7 @@ def test_delta_matches_a_fresh_forward(run) -> None:
     """lld/delta_correct is (log pi_after - log pi_old) on the A>0 rows of the step's own rollout."""
     import torch
 
-    from lldslight import diagnostics as diag
+    from lldslight.science import diagnostics as diag
 
     module, monitor = run["module"], run["monitor"]
     traj = module.last_rollout
@@ -88,7 +88,7 @@ def test_monitor_writes_plot_at_end_of_fit(run) -> None:
 
 def test_state_dict_round_trip(run) -> None:
     from lldslight.callbacks import LLDMonitor
-    from lldslight.diagnostics import PhaseConfig
+    from lldslight.science.diagnostics import PhaseConfig
 
     state = run["monitor"].state_dict()
     assert state["detector"]["seen"] == 2

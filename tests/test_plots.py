@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from lld_run import monitored_run
-from lldslight.plots import PlotInputError, phase_spans, plot_runs, read_run
+from lldslight.science.plots import PlotInputError, phase_spans, plot_runs, read_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -40,7 +40,7 @@ def test_overlay_of_two_runs_with_phases(run_dir, tmp_path) -> None:
 
 
 def test_diagnostic_panels_appear_when_a_run_logged_them(run_dir, tmp_path) -> None:
-    from lldslight.plots import panels_for
+    from lldslight.science.plots import panels_for
 
     frame = read_run(run_dir)
     assert [name for name, _ in panels_for([frame])][-1] == "share"  # tool calls, gate open rate, tied groups
@@ -60,7 +60,7 @@ def test_phase_spans_merge_contiguous_steps() -> None:
 
 
 def test_missing_metrics_csv_is_a_clear_error(run_dir, tmp_path, capsys) -> None:
-    from lldslight.plots import main
+    from lldslight.science.plots import main
 
     assert main([str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
@@ -99,7 +99,7 @@ def _capture_figures(monkeypatch) -> list:
 
 
 def test_alarm_panel_and_heals_appear_when_logged(run_dir, tmp_path, monkeypatch) -> None:
-    from lldslight.plots import ALARM_LABEL, alarm_columns, fired_steps, heal_steps
+    from lldslight.science.plots import ALARM_LABEL, alarm_columns, fired_steps, heal_steps
 
     frame = pd.read_csv(run_dir / "metrics.csv")
     steps = frame["step"]

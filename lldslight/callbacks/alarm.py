@@ -1,7 +1,7 @@
-"""CollapseAlarm: the collapse alarm of lldslight.alarm, fed every training step.
+"""CollapseAlarm: the collapse alarm of lldslight.science.alarm, fed every training step.
 
 Each training step it reads the step's metrics from ``GRPOModule.last_step_metrics`` (train/*) and
-``LLDMonitor.last_metrics`` (lld/*, diag/*), feeds them to an :class:`lldslight.alarm.AlarmRule`
+``LLDMonitor.last_metrics`` (lld/*, diag/*), feeds them to an :class:`lldslight.science.alarm.AlarmRule`
 and logs, in the step's row of metrics.csv:
 
 - ``alarm/<signal>``: the signal's CUSUM statistic C (baseline sds; NaN until its baseline is known);
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import numpy as np
 
-from lldslight.alarm import SIGNALS, AlarmConfig, AlarmRule, AlarmUpdate
+from lldslight.science.alarm import SIGNALS, AlarmConfig, AlarmRule, AlarmUpdate
 from lldslight.errors import ConfigError
 
 
@@ -63,7 +63,7 @@ class CollapseAlarm(pl.Callback):
 
     Args:
         rule: the rule's signals, baseline window, CUSUM slack k and threshold h, votes,
-            consecutive steps and "far" factor (lldslight.alarm.AlarmConfig).
+            consecutive steps and "far" factor (lldslight.science.alarm.AlarmConfig).
         print_fired: print one line when the alarm fires.
     """
 

@@ -27,7 +27,7 @@ the gradient norm lead it. After every training step this callback logs, under `
 Entropy, pre-clip grad norm, max ratio, zero-variance groups, searches and response length are
 logged by GRPOModule as train/*; the monitor reads them from ``module.last_step_metrics`` (the phase
 detector uses grad norm and entropy) instead of computing them twice. At the end of fit it draws
-``lld.png`` in the run directory (lldslight.plots).
+``lld.png`` in the run directory (lldslight.science.plots).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lldslight import diagnostics as diag
+from lldslight.science import diagnostics as diag
 from lldslight.errors import require
 from lldslight.metric_rules import reduction
 
@@ -224,7 +224,7 @@ class LLDMonitor(pl.Callback):
         run_dir = Path(trainer.log_dir)
         if not (run_dir / "metrics.csv").exists():
             return  # not a CSVLogger run: `lldslight plot` needs metrics.csv
-        from lldslight.plots import PlotInputError, plot_runs
+        from lldslight.science.plots import PlotInputError, plot_runs
 
         try:
             out = plot_runs([run_dir], run_dir / self.plot_name)

@@ -45,7 +45,7 @@ class RunSummary(pl.Callback):
     def _collapse(self) -> dict:
         from dataclasses import asdict
 
-        from lldslight.collapse import find_collapse
+        from lldslight.science.collapse import find_collapse
 
         nan = float("nan")
         reward = [s.get("train/reward", nan) for s in self._steps]
@@ -73,7 +73,7 @@ class RunSummary(pl.Callback):
             # EM after minus before, paired by question, with its standard error (evaluation.paired_change).
             "dev_em_change": (evaluation.paired_change(history["before"]["records"], history["after"]["records"])
                               if "records" in history.get("before", {}) and "records" in history.get("after", {}) else None),
-            # The collapse verdict of lldslight/collapse.py (reward / answered rate only, no detector).
+            # The collapse verdict of lldslight/science/collapse.py (reward / answered rate only, no detector).
             "collapse": self._collapse(),
             "train_reward_first_last": [
                 self._steps[0].get("train/reward") if self._steps else None,

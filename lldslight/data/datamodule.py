@@ -207,7 +207,7 @@ class SearchQADataModule(pl.LightningDataModule):
         prompt_source: "template" rebuilds the user prompt from the question (Search-R1 template);
             "file" uses the file's own prompt when it has one, else the template.
         prompt_template: the template "template" uses, with one ``{question}``; None = Search-R1's.
-            The collapse lab's from-scratch policy uses "Question: {question}\n": its
+            The collapse lab's from-scratch policy uses "Question: {question}\\n": its
             instruction preamble (~130 of its ~300 tokens) tells a model trained from random
             weights nothing, and every update pays for it.
         shuffle: Shuffle training prompts (per epoch, from ``seed`` and the epoch number).

@@ -129,7 +129,7 @@ class RolloutEngine:
     """Samples Search-R1 trajectories from a policy with a retriever.
 
     Args:
-        tokenizer: the policy's tokenizer.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
         reward_fn: ``(response, golden_answers[, question=, data_source=, turns=]) -> float``
             (rewards.RewardFn); ``response`` is the model's own text, its actions concatenated (no

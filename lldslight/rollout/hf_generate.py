@@ -50,7 +50,7 @@ class HFGenerate:
     """Samples Search-R1 trajectories with ``model.generate`` (a GenerationBackend; backend.py).
 
     Args:
-        tokenizer: the policy's tokenizer.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         retriever: any object with ``search(queries, k) -> list[list[Passage]]``.
         reward_fn: the reward (rewards.RewardFn).
         config: sampling settings (rollout.RolloutConfig).
