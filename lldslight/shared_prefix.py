@@ -55,6 +55,18 @@ LAYOUT_KWARG = "lldslight_packed_groups"
 _PLAIN: dict = {}  # transformers' own "sdpa" function, which the registered one calls without a layout
 
 
+class CallCount:
+    """A counter shared by every copy of a layout: FSDP2's mixed precision re-creates dataclass
+    arguments (torch.distributed.utils._apply_to_tensors: dataclasses.replace) on their way into
+    each layer, so a plain int field would count on copies and read 0 afterwards; an object that is
+    not a tensor, list or dataclass is passed through as the same object."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 @dataclass
 class PackedGroups:
     """A micro-batch of B right-padded rows as one packed sequence of N tokens, and its attention
@@ -73,7 +85,7 @@ class PackedGroups:
     tokens_plain: int  # B x T: what the plain forward encodes
     source_rows: Optional[Tensor] = None  # [N] the row each packed token is taken from
     source_cols: Optional[Tensor] = None  # [N] its column in that row (frozen_prefix gathers stored hidden states by them)
-    calls: int = field(default=0)  # attention calls that ran split (checked after the forward)
+    calls: "CallCount" = field(default_factory=lambda: CallCount())  # attention calls that ran split (checked after the forward)
 
     @property
     def tokens(self) -> int:
@@ -217,7 +229,7 @@ def split_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     out_suffix, _ = sdpa_attention_forward(module, slots(q, layout.suffix_index), k_rows, v_rows, layout.suffix_mask,
                                            dropout=dropout, scaling=scaling, **kwargs)  # [B, S, h, d]
     out = torch.cat([out_prefix.reshape(-1, h, d), out_suffix.reshape(-1, h, d)])[layout.output_index]  # [N, h, d]
-    layout.calls += 1
+    layout.calls.n += 1
     return out[None], None
 
 
@@ -262,12 +274,12 @@ def packed_hidden(decoder: nn.Module, layout: PackedGroups, num_layers: Optional
     replaces the embedding of ``layout.input_ids`` (frozen_prefix.py: a stored hidden state enters
     the upper layers), and ``num_layers`` is how many layers the decoder runs."""
     install()
-    layout.calls = 0  # a layout may run more than once (frozen_prefix: the boundary, then the top)
+    layout.calls.n = 0  # a layout may run more than once (frozen_prefix: the boundary, then the top)
     ones = torch.ones_like(layout.input_ids)  # [1, N]: no padding (lets transformers skip building a mask)
     tokens = {"input_ids": layout.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     out = decoder(**tokens, attention_mask=ones, position_ids=layout.position_ids, use_cache=False, **{LAYOUT_KWARG: layout})
-    if layout.calls == 0 or (num_layers is not None and layout.calls != num_layers):
-        raise RuntimeError(f"shared-prefix forward: the split attention ran in {layout.calls} of {num_layers} layers (the "
+    if layout.calls.n == 0 or (num_layers is not None and layout.calls.n != num_layers):
+        raise RuntimeError(f"shared-prefix forward: the split attention ran in {layout.calls.n} of {num_layers} layers (the "
                            "model does not pass attention keyword arguments through); set model.shared_prefix: false")
     return out.last_hidden_state[0]
 

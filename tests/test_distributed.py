@@ -214,3 +214,16 @@ def test_fsdp2_full_finetuning_with_a_reference_model_resumes_bit_for_bit(tmp_pa
     assert a.keys() == b.keys() and a and all(k.startswith("policy.") and "lora_" not in k for k in a), sorted(a)[:5]
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_fsdp2_with_a_param_dtype_trains(tmp_path):
+    """FSDP2's mixed precision (``model.fsdp.param_dtype``, every Qwen2.5 FSDP2 recipe sets it)
+    re-creates dataclass arguments on their way into each layer; the shared-prefix layout's count of
+    split attention calls must survive that (it read 0 and the first step failed)."""
+    rec = tmp_path / "rec"
+    fmt = dict(rec=rec, retriever=RETRIEVER, rollout=ROLLOUT, steps=STEPS)
+    run = run_fit(tmp_path, "fsdp_dtype", MULTI.format(strategy="{class_path: lldslight.distributed.FSDP2Strategy}", **fmt),
+                  extra=("--model.fsdp.param_dtype", "float32"))
+    steps = metrics(run)
+    assert sorted(steps) == list(range(STEPS)) and all(s["train/grad_norm"] > 0 for s in steps.values())

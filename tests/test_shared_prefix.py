@@ -316,3 +316,17 @@ def test_every_no_grad_pass_of_the_module_shares_and_agrees():
         assert (got - want).abs().max() <= REL * want.abs().max()
     assert not torch.equal(out[True][0], out[True][1])  # the adapter is not zero: the reference differs
     assert seen[True] < seen[False]
+
+
+def test_the_split_attention_count_survives_fsdp2s_copies_of_its_arguments():
+    """FSDP2's mixed precision passes each layer's keyword arguments through
+    torch.distributed.utils._apply_to_tensors, which re-creates dataclasses (dataclasses.replace):
+    a count kept in a plain field would be counted on the copies and read 0 on the original."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    ids, attn, _, groups, _ = hand_built()
+    layout = shared_prefix.pack_groups(ids, attn, groups)
+    copy = _apply_to_tensors(lambda t: t.clone(), layout)
+    assert copy is not layout and copy.row_index is not layout.row_index  # a real copy, as FSDP2 makes
+    copy.calls.n += 1
+    assert layout.calls.n == 1
