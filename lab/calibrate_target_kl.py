@@ -59,7 +59,9 @@ def arm_text(target: float, median: float, n: int) -> str:
             "trainer:\n"
             "  callbacks+:\n"
             "    - class_path: lldslight.callbacks.AdaptiveRate\n"
-            f"      init_args: {{target_kl: {target:g}, factor: 1.5, high: 2.0, low: 0.5, lr_min: 1.0e-5, lr_max: 1.0e-3}}\n")
+            "      # rule and signal_free name C2's behaviour (the defaults changed after it ran; tests/test_rate_controller.py replays C2's runs)\n"
+            f"      init_args: {{target_kl: {target:g}, rule: bang_bang, signal_free: react, factor: 1.5, high: 2.0, low: 0.5, "
+            "lr_min: 1.0e-5, lr_max: 1.0e-3}\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
