@@ -384,3 +384,26 @@ def test_the_c2_arm_file_replays_its_archived_runs(arm):
         replayed = [cb.observe(kl, not t, base) for kl, t in zip(kls, tied)]
         assert replayed == pytest.approx(logged, rel=1e-5), run
         assert [held.observe(kl, not t, base) for kl, t in zip(kls, tied)] != pytest.approx(logged, rel=1e-5)
+
+
+# -- the preset -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["configs/demo.yaml", "lab/configs/constant.yaml"])
+def test_the_preset_composes_after_a_recipe(recipe, tmp_path, monkeypatch):
+    """configs/stable.yaml through the real CLI after the demo and the lab's recipe: one AdaptiveRate
+    with the log_pi rule and the early stop at the same target, the recipe's rate left as the ceiling."""
+    import yaml
+
+    from tests.conftest import ROOT
+    from tests.test_config_groups import _instantiate
+
+    monkeypatch.chdir(ROOT)
+    cli = _instantiate(["--config", recipe, "--config", "configs/stable.yaml", "--model.policy.model", "smollm2-135m-instruct",
+                        "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, AdaptiveRate)]
+    preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
+    assert (cb.rule, cb.signal_free, cb.max_scale, cb.lr_max) == ("log_pi", "hold", 1.0, math.inf)
+    assert cb.target_kl == cli.model.update_config.target_kl == preset["model"]["update"]["target_kl"]
+    assert cli.model.update_config.updates_per_rollout >= 2
+    assert cli.model.optim_config.lr == yaml.safe_load((ROOT / recipe).read_text())["model"]["optim"]["lr"]
