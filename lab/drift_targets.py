@@ -2,6 +2,7 @@
 targets of every archived set, side by side.
 
     python -m lab.drift_targets --pilot lab/archive/collapse/<set>/<arm> --seeds 0 1    # one target
+    python -m lab.drift_targets --pilot lab/archive/demo/warmstart_1hop --run-name n60_seed{} --seeds 0 1 2 --first 2
     python -m lab.drift_targets --describe [--json out.json]                           # the table
 
 AdaptiveRate's ``log_pi`` rule (lldslight/callbacks/drift.py) stops moving the rate where the clipped
@@ -189,12 +190,12 @@ def table(rows: list[Candidates]) -> str:
     return "\n".join(lines)
 
 
-def calibrate(pilot: Path, seeds: Sequence[int], first: int, last: Optional[int]) -> dict:
-    """The target from a pilot arm's runs (``seed<S>`` under ``pilot``): log_pi's fixed point over
+def calibrate(pilot: Path, seeds: Sequence[int], first: int, last: Optional[int], run_name: str = "seed{}") -> dict:
+    """The target from a pilot arm's runs (``run_name`` with the seed, under ``pilot``): log_pi's fixed point over
     their steps ``first``..``last`` with signal, pooled; with the other statistics beside it."""
     pooled: dict[str, list[float]] = {}
     for seed in seeds:
-        run = pilot / f"seed{seed}"
+        run = pilot / run_name.format(seed)
         frame = C.training_rows(C.read_metrics(run))
         if last is not None:
             if frame.empty or int(frame.index.max()) < last:
@@ -217,6 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="with --describe: also write the rows as JSON here")
     parser.add_argument("--pilot", type=Path, default=None, help="a pilot arm's archive (seed<S>/ under it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--run-name", default="seed{}", help="a run's directory under --pilot, {} the seed (default seed{}; the demo's archives: n60_seed{})")
     parser.add_argument("--first", type=int, default=30, help="the first step read (after the warm-up; default 30)")
     parser.add_argument("--last", type=int, default=None, help="the last step read (default: every step; a run short of it is refused)")
     args = parser.parse_args(argv)
@@ -228,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.pilot is None:
         parser.error("give --describe or --pilot")
-    out = calibrate(args.pilot, args.seeds, args.first, args.last)
+    out = calibrate(args.pilot, args.seeds, args.first, args.last, args.run_name)
     print(f"target_kl = {out['target_kl']:.3g} (log_pi's fixed point over {out['steps_with_signal']} of {out['steps']} steps with "
           f"signal; their median {out['kl_median']:.3g}; the median of every step, C2's rule, {out['kl_all_median']:.3g}; "
           f"rms log-ratio / clip_eps {out['rms_per_eps_median']:.3f})")

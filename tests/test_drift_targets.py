@@ -83,6 +83,8 @@ def test_steps_without_signal_are_left_out(tmp_path):
     assert out["rms_per_eps_median"] == pytest.approx(math.sqrt(0.004) / 0.2)
     with pytest.raises(SystemExit, match="seed0 is not a finished pilot run"):
         dt.calibrate(tmp_path / "arm", [0, 1], first=30, last=120)
+    (tmp_path / "arm" / "seed1").rename(tmp_path / "arm" / "n60_seed1")  # the demo archives' names
+    assert dt.calibrate(tmp_path / "arm", [1], first=30, last=89, run_name="n60_seed{}")["steps_with_signal"] == 30
 
 
 def test_the_all_steps_statistic_is_c2s_registered_one():
