@@ -96,8 +96,8 @@ SIGNAL = "drift/signal"
 
 
 class DriftMeasured(Protocol):
-    """What AdaptiveRate needs from the module: the last step's metrics, reduced over ranks
-    (GRPOModule.last_step_metrics), and its update settings."""
+    """What AdaptiveRate reads of the module at each step: the last step's metrics, reduced over
+    ranks (GRPOModule.last_step_metrics). At setup it also reads ``update_config`` when there is one."""
 
     last_step_metrics: dict[str, float]
 
