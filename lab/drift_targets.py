@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lldslight import collapse as C
+from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "lab" / "archive" / "collapse"

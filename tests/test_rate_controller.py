@@ -366,7 +366,7 @@ def test_the_c2_arm_file_replays_its_archived_runs(arm):
     default ``signal_free: hold`` they would not (the check can fail)."""
     import yaml
 
-    from lldslight import collapse as C
+    from lldslight.science import collapse as C
     from tests.conftest import ROOT
 
     arm_file = yaml.safe_load((ROOT / "lab/configs/arms/bound.yaml").read_text())
