@@ -7,7 +7,9 @@ held), pilot seeds 0 and 1, 600 steps; ``target_kl`` = the median of ``drift/kl_
 30-599 of both runs pooled (the drift per rollout batch that a rate which held produces), rounded to
 two significant figures. The arm file puts that target in both halves of the bound: the update's
 early stop (``model.update.target_kl``, factor 1.5) and the AdaptiveRate callback (factor 1.5,
-high 2, low 0.5, lr 1e-5 to 1e-3), as registered.
+high 2, low 0.5, lr 1e-5 to 1e-3), as registered (named ``rule: bang_bang, signal_free: react`` since the
+callback's defaults changed). Kept as registered: it counts every step, the tied ones too (KL ~1e-5,
+the optimiser's momentum alone), which halved the target; lab/drift_targets.py leaves them out.
 """
 from __future__ import annotations
 
@@ -59,7 +61,9 @@ def arm_text(target: float, median: float, n: int) -> str:
             "trainer:\n"
             "  callbacks+:\n"
             "    - class_path: lldslight.callbacks.AdaptiveRate\n"
-            f"      init_args: {{target_kl: {target:g}, factor: 1.5, high: 2.0, low: 0.5, lr_min: 1.0e-5, lr_max: 1.0e-3}}\n")
+            "      # rule and signal_free name C2's behaviour (the defaults changed after it ran; tests/test_rate_controller.py replays C2's runs)\n"
+            f"      init_args: {{target_kl: {target:g}, rule: bang_bang, signal_free: react, factor: 1.5, high: 2.0, low: 0.5, "
+            "lr_min: 1.0e-5, lr_max: 1.0e-3}\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -74,8 +74,10 @@ RULES: tuple[Rule, ...] = (
     # -- drift of a rollout batch's updates (update.py: drift_shares, the drift bound; AdaptiveRate) ----
     Rule("drift/updates", "mean", "mean", "updates applied this step: ranks decide the drift bound alike"),
     Rule("drift/stopped", "mean", "mean", "1 when the drift bound stopped the step's updates: the same on every rank"),
+    Rule("drift/signal", "mean", "mean", "1 when the step's drift measures its updates: ranks share it"),
     Rule("drift/lr_scale", "mean", None, "AdaptiveRate's factor on the schedule: the same on every rank"),
     Rule("drift/target_kl", "mean", None, "AdaptiveRate's target: the same on every rank"),
+    Rule("drift/rate_*", "mean", None, "AdaptiveRate's controller state (error, integral, held count): the same on every rank"),
     Rule("drift/*", "sum", "mean", "shares of a mini-batch token mean (and the last update's), added up over ranks"),
     # -- an update's values that every rank shares (update.py: RolloutUpdates.shared) ------------------
     Rule("train/grad_norm", "mean", "mean", "the global norm, the same on every rank"),

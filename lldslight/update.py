@@ -305,6 +305,8 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
     searches = mean_valid_searches(traj) if module.loss_terms else float("nan")
     timings["logprob_s"] = time.perf_counter() - t0
     hostmem.trim()
+    # Rows with a non-zero advantage, all ranks: none when every group tied (a collective every rank runs, once per step).
+    advantaged = float(sum_over_ranks(torch.tensor([float((traj.advantage != 0).sum())], dtype=torch.float64, device=module.device))[0])
 
     t0 = time.perf_counter()
     lr = float(optimizer.param_groups[0]["lr"])  # the scheduler steps after the updates
@@ -324,10 +326,28 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
     # Every rank records the same keys: the shared channel carries the stop, the same on every rank.
     shared["drift/updates"] = [float(applied)]
     shared["drift/stopped"] = [float(applied < len(minibatches))]
+    shared["drift/signal"] = [float(drift_has_signal(advantaged, len(summed.get("drift/kl_k3", [])), shared))]
     scheduler.step()
     timings["update_s"] = time.perf_counter() - t0
     hostmem.trim()
     return RolloutUpdates(traj, summed, shared, lr, timings)
+
+
+def drift_has_signal(advantaged_rows: float, measured: int, shared: Mapping[str, list[float]]) -> bool:
+    """Whether the drift a rollout batch ended with (``drift/*_last``) measures what its updates did:
+    some row had a non-zero advantage (on any rank) *and* an update before the last measured one was
+    applied with a finite, non-zero gradient norm. Otherwise the batch carries no information about
+    the rate: when every group tied, the policy gradient is zero and the policy moves only by the
+    optimiser's momentum and weight decay; with one update per rollout batch (or every earlier update
+    vetoed) the last KL is measured before any step. Logged as ``drift/signal``; AdaptiveRate and the
+    target's calibration leave such batches out.
+
+    ``measured``: updates whose KL was measured (applied, plus the one the drift bound stopped);
+    ``shared``: the per-update shared channel, ``grad_norm`` and ``vetoed`` for the updates that stepped."""
+    norms, vetoed = shared.get("grad_norm", []), shared.get("vetoed", [])
+    before_last = zip(norms[: max(measured - 1, 0)], vetoed[: max(measured - 1, 0)])
+    moved = any(math.isfinite(norm) and norm > 0 and not veto for norm, veto in before_last)
+    return advantaged_rows > 0 and moved
 
 
 def minibatch_order(group_id: Tensor, shuffle: bool, by_prompt: bool) -> Tensor:

@@ -32,7 +32,8 @@ def test_the_rule_by_hand(tmp_path):
     assert arm["model"]["update"] == {"target_kl": 0.0029, "target_kl_factor": 1.5}
     (callback,) = arm["trainer"]["callbacks+"]
     assert callback["class_path"] == "lldslight.callbacks.AdaptiveRate"
-    assert callback["init_args"] == {"target_kl": 0.0029, "factor": 1.5, "high": 2.0, "low": 0.5, "lr_min": 1e-5, "lr_max": 1e-3}
+    assert callback["init_args"] == {"target_kl": 0.0029, "rule": "bang_bang", "signal_free": "react", "factor": 1.5, "high": 2.0,
+                                     "low": 0.5, "lr_min": 1e-5, "lr_max": 1e-3}
     assert out.read_text().startswith("# Drift bound")  # the runner labels an arm by its first comment line
 
 

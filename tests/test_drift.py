@@ -1,24 +1,22 @@
 """Drift of a rollout batch's updates: the drift/* metrics, the update's early stop (target_kl) and
-AdaptiveRate (lldslight/update.py, lldslight/callbacks/drift.py).
+whether a batch's drift carries signal (lldslight/update.py; the rate controller that reads them:
+tests/test_rate_controller.py).
 
 Every expected value is computed here a second way: the KLs from probabilities (not log-prob
 differences) in plain Python over the tokens of each mini-batch, with the weights each update saw
-recorded as it ran; the early stop against a replay without the bound; the rate rule by hand (the rate setter itself: tests/test_config_groups.py).
+recorded as it ran; the early stop against a replay without the bound; the signal flag from the
+batch's rewards and the updates that ran, decided by hand per case.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lldslight import update as U
-from lldslight.callbacks.drift import AdaptiveRate
 from lldslight.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,45 +155,49 @@ def test_a_bad_drift_bound_is_refused_by_name(bad):
         U.UpdateConfig(**bad)
 
 
-def test_adaptive_rate_rule_by_hand():
-    cb = AdaptiveRate(target_kl=0.01, factor=1.5, lr_min=1e-5, lr_max=2e-3)
-    base = 1e-3
-    scale = 1.0
-    # KL 0.03 > 2 x 0.01: down; 0.01: inside [0.005, 0.02], kept; 0.001 < 0.005: up; nan: down
-    for kl, want in ((0.03, 1 / 1.5), (0.01, 1 / 1.5), (0.001, 1.0), (0.001, 1.5), (0.001, 2.0), (float("nan"), 2.0 / 1.5)):
-        scale = cb.next_scale(kl, scale, base)
-        assert scale == pytest.approx(want)  # 2.0 is lr_max / base: 1.5 x 1.5 = 2.25 clamped
-    low = scale
-    for _ in range(40):
-        low = cb.next_scale(1.0, low, base)
-    assert low == pytest.approx(1e-5 / base)  # floored at lr_min
+def toy_trajectory_with(reward: list[float]) -> Trajectory:
+    import dataclasses
+    return dataclasses.replace(toy_trajectory(), reward=torch.tensor(reward, dtype=torch.float64))
 
 
-ADAPTIVE = """    - class_path: lldslight.callbacks.AdaptiveRate
-      init_args: {target_kl: 1.0e-4, factor: 2.0, lr_min: 1.0e-5, lr_max: 4.0e-3}
-"""
+def signal_of(cfg: U.UpdateConfig, reward=None, gate=None) -> tuple[float, dict]:
+    module = ToyLearner(cfg)
+    if gate is not None:
+        module._record = gate
+    optimizer = torch.optim.SGD([module.theta], lr=2.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    traj = toy_trajectory() if reward is None else toy_trajectory_with(reward)
+    metrics, _ = U.train_on_rollout(module, traj, optimizer, scheduler).step_metrics()
+    return metrics["drift/signal"], metrics
 
 
-@pytest.mark.slow
-def test_adaptive_rate_is_logged_and_resumes_exactly(tmp_path):
-    """A tiny fit with AdaptiveRate killed at step 2 and resumed logs the same rates, scales and
-    drift as the run never interrupted (the scheduler's scaled base_lrs ride in the checkpoint)."""
-    from run_helpers import KILL
-    from test_resume import KILL_AT, STEPS, fit, metrics
+def test_drift_signal_by_case():
+    # mixed groups, 4 updates: update 0 stepped with a gradient before the last KL was measured
+    assert signal_of(U.UpdateConfig(**BASE))[0] == 1.0
+    # every group tied (all right): advantages 0, no gradient; the last KL measures nothing
+    tied, metrics = signal_of(U.UpdateConfig(**BASE), reward=[1.0] * 8)
+    assert tied == 0.0 and metrics["train/grad_norm_max"] == 0.0
+    # one group mixed is enough
+    assert signal_of(U.UpdateConfig(**BASE), reward=[1.0, 0.0] + [1.0] * 6)[0] == 1.0
+    # one update per rollout batch: its KL is measured before its (only) step
+    # (reuse_onpolicy_logp off: the toy's float64 log-probs would not fit the float32 buffer it fills)
+    assert signal_of(U.UpdateConfig(**{**BASE, "updates_per_rollout": 1, "reuse_onpolicy_logp": False}))[0] == 0.0
+    # stopped at update 1 by the bound: update 0 stepped before that KL, so it measures update 0
+    stopped, metrics = signal_of(U.UpdateConfig(**BASE, target_kl=1e-12))
+    assert (stopped, metrics["drift/updates"], metrics["drift/stopped"]) == (1.0, 1.0, 1.0)
+    # every update vetoed: nothing stepped
+    assert signal_of(U.UpdateConfig(**BASE), gate=lambda ctx: False)[0] == 0.0
+    # only the last update let through: the last KL was measured before it
+    assert signal_of(U.UpdateConfig(**BASE), gate=lambda ctx: ctx.update_index == 3)[0] == 0.0
+    # update 2 let through: it stepped before update 3's KL
+    assert signal_of(U.UpdateConfig(**BASE), gate=lambda ctx: ctx.update_index == 2)[0] == 1.0
 
-    args = ("--model.update.updates_per_rollout", "2", "--model.update.micro_batch_size", "1")
-    full = fit(tmp_path, "full", tmp_path / "full", extra=ADAPTIVE, args=args)
-    assert full.returncode == 0, full.stderr[-3000:]
-    killed = fit(tmp_path, "killed", tmp_path / "run", extra=ADAPTIVE + KILL.format(step=KILL_AT), args=args)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = fit(tmp_path, "resumed", tmp_path / "run", extra=ADAPTIVE, args=args + ("--ckpt_path", "last"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want = metrics(tmp_path / "full" / "tiny" / "version_0" / "metrics.csv")
-    got = {**metrics(tmp_path / "run" / "tiny" / "version_0" / "metrics.csv"),
-           **metrics(tmp_path / "run" / "tiny" / "version_1" / "metrics.csv")}
-    assert sorted(got) == sorted(want) == list(range(STEPS))
-    scales = [want[s]["drift/lr_scale"] for s in range(STEPS)]
-    assert len(set(scales)) > 1, f"the scale never moved: the comparison would be vacuous ({scales})"
-    for step in range(STEPS):
-        for key in ("train/lr", "drift/lr_scale", "drift/kl_k3", "drift/kl_k3_last", "drift/updates"):
-            assert want[step][key] == got[step][key], (step, key, want[step][key], got[step][key])
+
+def test_drift_has_signal_by_hand():
+    shared = {"grad_norm": [0.5, 0.0, 0.3], "vetoed": [1.0, 0.0, 0.0]}
+    # measured 3 (no stop): updates 0 and 1 came before the last; 0 was vetoed, 1 had no gradient
+    assert not U.drift_has_signal(4.0, 3, shared)
+    # measured 4 (update 3 stopped by the bound): update 2 stepped with a gradient before it
+    assert U.drift_has_signal(4.0, 4, shared)
+    assert not U.drift_has_signal(0.0, 4, shared)  # no row with an advantage
+    assert not U.drift_has_signal(4.0, 4, {"grad_norm": [float("nan"), float("inf"), 0.0], "vetoed": [0.0, 0.0, 0.0]})
