@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Optional
 
 # name -> "module:function"; each takes argv (list[str]) and returns an exit code.
@@ -98,10 +99,13 @@ def _cli_class():
                      "checkpoint's saved ones: comma-separated keys (e.g. model.optim.lr,model.update.clip_eps) or 'all'. "
                      "Without it a resume is exact: the checkpoint's settings win, and every one that differs "
                      "from yours is listed in one line at start (docs/errors_and_resume.md).")
+            # nargs="?" and const: `--force` alone is the flag every refusal advises; `--force true`
+            # (and `force: true` in YAML) work as before.
             parser.add_argument(
-                "--force", type=bool, default=False,
-                help="Write into a run directory that already holds a run (a fixed trainer.logger.init_args.version "
-                     "whose metrics.csv or checkpoints exist): its files of the same names are replaced.")
+                "--force", type=bool, nargs="?", const=True, default=False,
+                help="Replace the run a run directory already holds (a fixed trainer.logger.init_args.version whose "
+                     "metrics.csv or checkpoints exist): its files are listed, then removed, before this run starts. "
+                     "Not needed to resume that run (fit --ckpt_path last): its metrics are kept.")
 
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
@@ -128,7 +132,8 @@ def _cli_class():
         def _run_subcommand(self, subcommand: str) -> None:
             from lldslight.run_dir import is_rank_zero
 
-            locks = _claim_run_dirs(self.trainer, bool(self.config[subcommand].get("force"))) if is_rank_zero() else []
+            sub = self.config[subcommand]
+            locks = _claim_run_dirs(self.trainer, bool(sub.get("force")), sub.get("ckpt_path"), subcommand) if is_rank_zero() else []
             previous = _announce_sigterm()
             try:
                 super()._run_subcommand(subcommand)
@@ -372,21 +377,46 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
             lock_path(path).unlink(missing_ok=True)  # this process's; the run it locked never was
 
 
-def _claim_run_dirs(trainer: Any, force: bool) -> list:
-    """Each logger's run directory checked (no earlier run in it without --force) and locked."""
-    from lldslight.run_dir import claim, log_dir
+def _claim_run_dirs(trainer: Any, force: bool, ckpt_path: Any, subcommand: str) -> list:
+    """Each logger's run directory checked (no earlier run in it without --force, which replaces
+    it; a fit resuming from a checkpoint inside it continues that run, its metrics kept) and locked."""
+    from lldslight.run_dir import claim, keep_metrics, log_dir
 
     locks: list = []
     try:
         for logger in getattr(trainer, "loggers", None) or []:
             path = log_dir(logger)
             if path is not None:
-                locks.append(claim(path, force, "trainer.logger.init_args.version"))
+                lock = claim(path, force, "trainer.logger.init_args.version", _checkpoint_file(trainer, ckpt_path),
+                             fit=subcommand == "fit")
+                locks.append(lock)
+                if lock.continued:
+                    keep_metrics(logger)
     except BaseException:
         for lock in locks:
             lock.release()
         raise
     return locks
+
+
+def _checkpoint_file(trainer: Any, ckpt_path: Any) -> Optional[Path]:
+    """The file ``--ckpt_path`` names, ``last`` resolved as Lightning resolves it (the newest
+    ``last*.ckpt`` of the checkpoint callbacks' directories); None for none or a remote one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lldslight.preflight import CKPT_KEYWORDS
+
+    text = str(ckpt_path)
+    if ckpt_path is None or "://" in text or (text in CKPT_KEYWORDS and text != "last") or text.startswith("registry:"):
+        return None
+    if text == "last":
+        found = set()
+        for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+            if isinstance(callback, ModelCheckpoint):
+                found |= callback._find_last_checkpoints(trainer)
+        files = [Path(f) for f in found if Path(f).is_file()]
+        return max(files, key=lambda f: f.stat().st_mtime) if files else None
+    return Path(text).expanduser()
 
 
 SIGTERM_LINE = ("[lldslight] SIGTERM: finishing the training step in flight (its rollout and update; minutes on a "
