@@ -372,3 +372,18 @@ def test_an_unwritable_export_out_is_one_line_before_loading(work, module_checkp
     code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(blocker / "exported")], work, capsys)
     assert_one_line_error(code, err, "export", "--out", f"cannot write to {blocker}")
     assert "policy.precision" not in err  # said before the model was built (load_policy announces its precision)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_folder_of_data_files_is_not_read_as_a_dataset(work, unloadable_model, capsys, tmp_path, synth_kb, command):
+    """A folder given as a data file, with a train.jsonl two levels down: datasets.load_dataset would
+    read it as a dataset folder and train.jsonl would silently become the validation set."""
+    import shutil
+
+    folder = tmp_path / "somefolder"
+    (folder / "a" / "b").mkdir(parents=True)
+    shutil.copy(synth_kb["train_jsonl"], folder / "a" / "b" / "train.jsonl")
+    cfg = tiny_config(tmp_path / "t.yaml", model=unloadable_model)
+    args = fit_args(cfg, tmp_path / "runs", "--data.val_files", f"[{folder}]")
+    code, err = run_cli([command, *args[1:]], work, capsys)
+    assert_one_line_error(code, err, command, str(folder), "a directory", "save_to_disk", ".parquet, .jsonl or .json")
