@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import logging
 import os
 import re
@@ -109,6 +110,7 @@ def _cli_class():
 
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
+            check_groups(parser, self.config)
             fold_flat_keys(self.config, announce=True)
             # Before LightningCLI reads the checkpoint's hyper-parameters (a corrupt file would end
             # there in a zip-reader traceback).
@@ -148,6 +150,10 @@ def _cli_class():
                 for lock in locks:
                     lock.release()
                 _restore_sigterm(previous)
+
+        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+            check_stateful_callbacks(list(config.get("callbacks") or []) + list(callbacks))
+            return super()._instantiate_trainer(config, callbacks)
 
         def instantiate_classes(self) -> None:
             try:
@@ -190,6 +196,50 @@ def _instantiation_error(err: Exception) -> Exception:
         hint = " (TensorBoardLogger: pip install -e '.[tensorboard]' in your lldslight clone)" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
+
+
+def check_groups(parser: Any, config: Any) -> None:
+    """Every group of settings (``model``, ``model.update``, ``model.optim``, ``data``, ...: a class
+    or dataclass whose fields are keys) must be a mapping in the parsed config. jsonargparse keeps a
+    null, a list or a scalar written in a group's place and fails later, when it builds the class, in
+    a TypeError about functools.partial that names no key."""
+    from lldslight.errors import ConfigError
+
+    sub = config.get("subcommand")
+    if sub:
+        parser, config = parser._subcommands_action._name_parser_map[sub], config[sub]
+    for key, group in sorted(parser.groups.items()):
+        cls = getattr(group, "group_class", None)
+        if cls is None or key not in config:
+            continue
+        value = config.get(key)
+        if value is None or not hasattr(value, "as_dict"):  # a Namespace is a mapping of settings
+            fields = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][:4]
+            shown = f" ({cls.__name__}: {', '.join(fields)}, ...)" if fields else ""
+            leaf = key.rpartition(".")[2]
+            raise ConfigError(f"{key} must be a mapping of settings{shown}, got {value!r}"
+                              + (f" (an empty `{leaf}:` line? leave it out for the defaults)" if value is None else ""))
+
+
+def check_stateful_callbacks(callbacks: list) -> None:
+    """Two callbacks Lightning would store under one checkpoint key (a stateful callback class given
+    twice, Lightning's own rule: ``state_dict`` overridden, the same ``state_key``) are said in one
+    line, before the trainer refuses them in a 33-line RuntimeError."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lldslight.errors import ConfigError
+
+    seen: dict[Any, int] = {}
+    for i, callback in enumerate(callbacks, start=1):
+        if not isinstance(callback, Callback) or not is_overridden("state_dict", instance=callback, parent=Callback):
+            continue
+        key = callback.state_key
+        if key in seen:
+            raise ConfigError(f"trainer.callbacks: {type(callback).__qualname__} is given twice (entries {seen[key]} and {i}); a checkpoint "
+                              "keeps one state per stateful callback class, so Lightning runs only one: remove one "
+                              "(the overlays composed with `callbacks+:` may each add it)")
+        seen[key] = i
 
 
 def fold_flat_keys(config: Any, announce: bool) -> None:

@@ -387,3 +387,32 @@ def test_a_folder_of_data_files_is_not_read_as_a_dataset(work, unloadable_model,
     args = fit_args(cfg, tmp_path / "runs", "--data.val_files", f"[{folder}]")
     code, err = run_cli([command, *args[1:]], work, capsys)
     assert_one_line_error(code, err, command, str(folder), "a directory", "save_to_disk", ".parquet, .jsonl or .json")
+
+
+@pytest.mark.parametrize("overlay, extra, needles", [
+    ("model: {update: null}\n", [], ["model.update must be a mapping of settings", "got None"]),
+    ("model: {optim: [0.001]}\n", [], ["model.optim must be a mapping of settings", "got [0.001]", "lr"]),
+    ("model: {policy: 3}\n", [], ["model.policy must be a mapping of settings", "got 3"]),
+], ids=["update-null", "optim-list", "policy-scalar"])
+def test_a_settings_group_given_as_a_value_is_one_line(work, capsys, tmp_path, overlay, extra, needles):
+    """A group of model settings (model.update, model.optim, ...) written as null, a list or a
+    scalar: jsonargparse's TypeError about functools.partial, after the config was read."""
+    (tmp_path / "o.yaml").write_text(overlay)
+    code, err = run_cli(["fit", "--config", str(TINY), "--config", str(tmp_path / "o.yaml"), *extra,
+                         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], work, capsys)
+    assert_one_line_error(code, err, "fit", *needles)
+    assert "functools.partial" not in err
+
+
+@pytest.mark.parametrize("callback", [
+    "{class_path: lldslight.callbacks.AdaptiveRate, init_args: {target_kl: 0.02}}",
+    "{class_path: lldslight.callbacks.GradientSpikeGuard}",
+], ids=["AdaptiveRate", "GradientSpikeGuard"])
+def test_a_stateful_callback_given_twice_is_one_line(work, unloadable_model, capsys, tmp_path, callback):
+    """Lightning keeps one state per stateful callback class in a checkpoint: its RuntimeError was
+    33 lines; said once, before the model loads, with both entries."""
+    cfg = tiny_config(tmp_path / "t.yaml", model=unloadable_model)
+    (tmp_path / "o.yaml").write_text(f"trainer:\n  callbacks+:\n    - {callback}\n    - {callback}\n")
+    code, err = run_cli(fit_args(cfg, tmp_path / "runs", "--config", str(tmp_path / "o.yaml")), work, capsys)
+    name = callback.split("class_path: ")[1].split(",")[0].rstrip("}").rpartition(".")[2]
+    assert_one_line_error(code, err, "fit", f"trainer.callbacks: {name} is given twice (entries 3 and 4)", "remove one")
