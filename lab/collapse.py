@@ -439,6 +439,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     labels = {k: v[0] for k, v in available.items()}
 
     if args.report_only:
+        # What chooses runs or their settings has no effect on a report of the archive: said, not
+        # ignored while the set's committed report is rewritten.
+        ignored = [flag for flag, given in (("--arms", args.arms), ("--seeds", args.seeds), ("--inits", args.inits),
+                                            ("--config", args.extra_configs), ("--steps", args.steps), ("--force", args.force),
+                                            ("--no-build", args.no_build), (" ".join(overrides), overrides)) if given]
+        if ignored:
+            raise SystemExit(f"collapse: --report-only reports every archived run of {archive} as archived: "
+                             f"{', '.join(ignored)} would be ignored; leave {'it' if len(ignored) == 1 else 'them'} out "
+                             "(to run other arms or seeds, drop --report-only)")
         previous = archive / "collapse.json"
         meta = json.loads(previous.read_text())["meta"] if previous.is_file() else {}
         # A set is filled by several invocations (a lab spans sessions): report every archived run,
@@ -452,11 +461,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
         # An archive without its collapse.json: the horizon is the recipe's max_steps, as for a new run.
-        horizon = args.horizon or meta.get("horizon") or args.steps or recipe_steps(args.recipe or meta.get("recipe") or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE))
-        # The hold a set was registered with is kept in its meta: a later --report-only uses it.
-        meta["hold"] = args.hold or meta.get("hold") or C.CollapseCriteria().hold
+        horizon = args.horizon or meta.get("horizon") or recipe_steps(args.recipe or meta.get("recipe") or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE))
+        # The hold a set was registered with is kept in its meta: a later --report-only uses it. A set
+        # written before holds were recorded keeps its meta as it is (the criteria in the report say
+        # the hold), so a rerun writes the committed collapse.json again, byte for byte.
+        hold = args.hold or meta.get("hold") or C.CollapseCriteria().hold
+        if args.hold and args.hold != (meta.get("hold") or C.CollapseCriteria().hold):
+            meta["hold"] = args.hold
         report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta,
-               C.CollapseCriteria(hold=meta["hold"]), draw=not args.no_figure)
+               C.CollapseCriteria(hold=hold), draw=not args.no_figure)
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)

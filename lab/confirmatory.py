@@ -52,6 +52,7 @@ SEEDS = tuple(range(20, 30))
 ARMS = ("grpo", "llds")
 HORIZON = 1100
 HOLD = 30
+RATE = 5e-4  # C1's learning rate (CONFIRMATORY.md)
 ALPHA = 0.05
 C2_SEEDS = tuple(range(20, 25))
 # C2's archives per (arm, starting rate), as registered: GRPO at 5e-4 is C1's GRPO column.
@@ -154,12 +155,57 @@ def not_readable(run: Path, key: str, kind_of: dict, unit: str, prefix: str = ""
     return None
 
 
+def set_rate(meta: dict) -> Optional[float]:
+    """The learning rate a set's runs trained at: the last ``--model.optim.lr`` (or the deprecated
+    ``--model.lr``) of its fit overrides, else its recipe's ``model.optim.lr``; None when unknown."""
+    overrides = [str(o) for o in meta.get("overrides") or []]
+    given = [overrides[i + 1] for i, o in enumerate(overrides[:-1]) if o in ("--model.optim.lr", "--model.lr")]
+    if given:
+        return float(given[-1])
+    recipe = ROOT / str(meta.get("recipe") or "")
+    if not recipe.is_file():
+        return None
+    import yaml
+
+    model = (yaml.safe_load(recipe.read_text()) or {}).get("model") or {}
+    lr = (model.get("optim") or {}).get("lr", model.get("lr"))
+    return None if lr is None else float(lr)
+
+
+def rate_text(rate: float) -> str:
+    """A rate as the sets are named: 5e-4, 2.5e-4, 1e-3."""
+    mantissa, exponent = f"{rate:.6e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def not_c1(meta: dict, archived: set[tuple[str, int]]) -> list[str]:
+    """How a set differs from C1's registered design (arms grpo and llds, seeds 20-29, lr 5e-4,
+    horizon 1,100), from its recorded runs, its archived ones and its meta; empty for C1's set."""
+    runs = archived | {(name.split("/")[0], int(name.split("/seed")[1])) for name in meta.get("runs", {}) if "/seed" in name}
+    problems = [f"arm {a}" for a in sorted({a for a, _ in runs} - set(ARMS))]
+    other_seeds = sorted({s for _, s in runs} - set(SEEDS))
+    problems += [f"seeds {', '.join(map(str, other_seeds))}"] if other_seeds else []
+    rate = set_rate(meta)
+    if rate is not None and rate != RATE:
+        problems.append(f"lr {rate_text(rate)}")
+    if meta.get("horizon") not in (None, HORIZON):
+        problems.append(f"horizon {meta['horizon']}")
+    return problems
+
+
 def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
     """(outcomes at hold 30, outcomes at hold 20, seed -> stratum, missing runs) from the archive."""
     if not (path / "collapse.json").is_file():
         raise SystemExit(f"confirmatory: {path / 'collapse.json'} not found: --set must be a set's archive "
                          "(lab/archive/collapse/<name>, written by lab/collapse.py)")
-    meta_runs = json.loads((path / "collapse.json").read_text())["meta"].get("runs", {})
+    meta = json.loads((path / "collapse.json").read_text())["meta"]
+    archived = {(p.parent.name, int(p.name[4:])) for p in path.glob("*/seed*") if p.name[4:].isdigit() and any(p.glob("metrics.csv*"))}
+    problems = not_c1(meta, archived)
+    if problems:
+        raise SystemExit(f"confirmatory: {shown(path)} is not C1's set ({', '.join(problems)}; C1 registers arms "
+                         f"{' and '.join(ARMS)}, seeds {SEEDS[0]}-{SEEDS[-1]}, lr {rate_text(RATE)}, horizon {HORIZON}): --set "
+                         "names C1's archive (default lab/archive/collapse/c1_5e-4); --c2 reports C2")
+    meta_runs = meta.get("runs", {})
     kind_of = machine_kinds(meta_runs)
     outcomes: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
     hold20: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
@@ -354,6 +400,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--c2", action="store_true", help="C2's goal instead, from lab/archive/collapse/c2_* and C1's GRPO runs")
     parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json; with --c2, c2.json beside the sets)")
     args = parser.parse_args(argv)
+    if args.json is not None:  # before the analysis: a directory or a missing folder fails at the end otherwise
+        if args.json.is_dir():
+            raise SystemExit(f"confirmatory: --json {args.json}: is a directory; give the file to write (e.g. {args.json / 'c1.json'})")
+        if not args.json.parent.is_dir():
+            raise SystemExit(f"confirmatory: --json {args.json}: no such directory {args.json.parent}")
     if args.c2:
         if not any((args.set.parent / name / "collapse.json").is_file() for name, _ in C2_SETS.values()):
             raise SystemExit(f"confirmatory: no C2 set (c2_*/collapse.json, c1_5e-4/collapse.json) in {args.set.parent}: with --c2, "

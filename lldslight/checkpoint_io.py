@@ -110,7 +110,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
         reason = write_failure(err)
         if reason is None:
             raise
-        kept = f"the previous {path.name} is intact" if path.is_file() else "no earlier checkpoint was there"
+        kept = _what_is_kept(path)
         failure = CheckpointWriteError(f"cannot write checkpoint {path}: {reason} ({kept}); free space or "
                                        "choose another directory, then resume")
         failure.errno = getattr(err, "errno", None)
@@ -126,6 +126,20 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.close(fd)
     except OSError:
         pass  # some filesystems cannot fsync a directory; the rename is still atomic
+
+
+def _what_is_kept(path: Path) -> str:
+    """What a resume can use after the write of ``path`` failed: the file it was to replace, else
+    the newest readable checkpoint beside it (a new ``epoch=0-step=2.ckpt`` fails while step 1's
+    ``last.ckpt`` is there)."""
+    from lldslight.preflight import newest_valid_checkpoint
+
+    if path.is_file():
+        return f"the previous {path.name} is intact"
+    newest = newest_valid_checkpoint(path.parent, exclude=path)
+    if newest is None:
+        return "no earlier checkpoint was there"
+    return f"the checkpoints written before are intact, the newest {newest}: resume with --ckpt_path {newest}"
 
 
 # -- RNG --------------------------------------------------------------------------------------------

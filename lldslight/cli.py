@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import logging
 import os
 import re
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Optional
 
 # name -> "module:function"; each takes argv (list[str]) and returns an exit code.
@@ -98,13 +100,17 @@ def _cli_class():
                      "checkpoint's saved ones: comma-separated keys (e.g. model.optim.lr,model.update.clip_eps) or 'all'. "
                      "Without it a resume is exact: the checkpoint's settings win, and every one that differs "
                      "from yours is listed in one line at start (docs/errors_and_resume.md).")
+            # nargs="?" and const: `--force` alone is the flag every refusal advises; `--force true`
+            # (and `force: true` in YAML) work as before.
             parser.add_argument(
-                "--force", type=bool, default=False,
-                help="Write into a run directory that already holds a run (a fixed trainer.logger.init_args.version "
-                     "whose metrics.csv or checkpoints exist): its files of the same names are replaced.")
+                "--force", type=bool, nargs="?", const=True, default=False,
+                help="Replace the run a run directory already holds (a fixed trainer.logger.init_args.version whose "
+                     "metrics.csv or checkpoints exist): its files are listed, then removed, before this run starts. "
+                     "Not needed to resume that run (fit --ckpt_path last): its metrics are kept.")
 
         def parse_arguments(self, parser, args) -> None:
             super().parse_arguments(parser, args)
+            check_groups(parser, self.config)
             fold_flat_keys(self.config, announce=True)
             # Before LightningCLI reads the checkpoint's hyper-parameters (a corrupt file would end
             # there in a zip-reader traceback).
@@ -128,7 +134,8 @@ def _cli_class():
         def _run_subcommand(self, subcommand: str) -> None:
             from lldslight.run_dir import is_rank_zero
 
-            locks = _claim_run_dirs(self.trainer, bool(self.config[subcommand].get("force"))) if is_rank_zero() else []
+            sub = self.config[subcommand]
+            locks = _claim_run_dirs(self.trainer, bool(sub.get("force")), sub.get("ckpt_path"), subcommand) if is_rank_zero() else []
             previous = _announce_sigterm()
             try:
                 super()._run_subcommand(subcommand)
@@ -143,6 +150,10 @@ def _cli_class():
                 for lock in locks:
                     lock.release()
                 _restore_sigterm(previous)
+
+        def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+            check_stateful_callbacks(list(config.get("callbacks") or []) + list(callbacks))
+            return super()._instantiate_trainer(config, callbacks)
 
         def instantiate_classes(self) -> None:
             try:
@@ -185,6 +196,50 @@ def _instantiation_error(err: Exception) -> Exception:
         hint = " (TensorBoardLogger: pip install -e '.[tensorboard]' in your lldslight clone)" if "tensorboard" in str(innermost) else ""
         return UserError(str(innermost).splitlines()[0] + hint)
     return err
+
+
+def check_groups(parser: Any, config: Any) -> None:
+    """Every group of settings (``model``, ``model.update``, ``model.optim``, ``data``, ...: a class
+    or dataclass whose fields are keys) must be a mapping in the parsed config. jsonargparse keeps a
+    null, a list or a scalar written in a group's place and fails later, when it builds the class, in
+    a TypeError about functools.partial that names no key."""
+    from lldslight.errors import ConfigError
+
+    sub = config.get("subcommand")
+    if sub:
+        parser, config = parser._subcommands_action._name_parser_map[sub], config[sub]
+    for key, group in sorted(parser.groups.items()):
+        cls = getattr(group, "group_class", None)
+        if cls is None or key not in config:
+            continue
+        value = config.get(key)
+        if value is None or not hasattr(value, "as_dict"):  # a Namespace is a mapping of settings
+            fields = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD][:4]
+            shown = f" ({cls.__name__}: {', '.join(fields)}, ...)" if fields else ""
+            leaf = key.rpartition(".")[2]
+            raise ConfigError(f"{key} must be a mapping of settings{shown}, got {value!r}"
+                              + (f" (an empty `{leaf}:` line? leave it out for the defaults)" if value is None else ""))
+
+
+def check_stateful_callbacks(callbacks: list) -> None:
+    """Two callbacks Lightning would store under one checkpoint key (a stateful callback class given
+    twice, Lightning's own rule: ``state_dict`` overridden, the same ``state_key``) are said in one
+    line, before the trainer refuses them in a 33-line RuntimeError."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lldslight.errors import ConfigError
+
+    seen: dict[Any, int] = {}
+    for i, callback in enumerate(callbacks, start=1):
+        if not isinstance(callback, Callback) or not is_overridden("state_dict", instance=callback, parent=Callback):
+            continue
+        key = callback.state_key
+        if key in seen:
+            raise ConfigError(f"trainer.callbacks: {type(callback).__qualname__} is given twice (entries {seen[key]} and {i}); a checkpoint "
+                              "keeps one state per stateful callback class, so Lightning runs only one: remove one "
+                              "(the overlays composed with `callbacks+:` may each add it)")
+        seen[key] = i
 
 
 def fold_flat_keys(config: Any, announce: bool) -> None:
@@ -372,21 +427,46 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
             lock_path(path).unlink(missing_ok=True)  # this process's; the run it locked never was
 
 
-def _claim_run_dirs(trainer: Any, force: bool) -> list:
-    """Each logger's run directory checked (no earlier run in it without --force) and locked."""
-    from lldslight.run_dir import claim, log_dir
+def _claim_run_dirs(trainer: Any, force: bool, ckpt_path: Any, subcommand: str) -> list:
+    """Each logger's run directory checked (no earlier run in it without --force, which replaces
+    it; a fit resuming from a checkpoint inside it continues that run, its metrics kept) and locked."""
+    from lldslight.run_dir import claim, keep_metrics, log_dir
 
     locks: list = []
     try:
         for logger in getattr(trainer, "loggers", None) or []:
             path = log_dir(logger)
             if path is not None:
-                locks.append(claim(path, force, "trainer.logger.init_args.version"))
+                lock = claim(path, force, "trainer.logger.init_args.version", _checkpoint_file(trainer, ckpt_path),
+                             fit=subcommand == "fit")
+                locks.append(lock)
+                if lock.continued:
+                    keep_metrics(logger)
     except BaseException:
         for lock in locks:
             lock.release()
         raise
     return locks
+
+
+def _checkpoint_file(trainer: Any, ckpt_path: Any) -> Optional[Path]:
+    """The file ``--ckpt_path`` names, ``last`` resolved as Lightning resolves it (the newest
+    ``last*.ckpt`` of the checkpoint callbacks' directories); None for none or a remote one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lldslight.preflight import CKPT_KEYWORDS
+
+    text = str(ckpt_path)
+    if ckpt_path is None or "://" in text or (text in CKPT_KEYWORDS and text != "last") or text.startswith("registry:"):
+        return None
+    if text == "last":
+        found = set()
+        for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+            if isinstance(callback, ModelCheckpoint):
+                found |= callback._find_last_checkpoints(trainer)
+        files = [Path(f) for f in found if Path(f).is_file()]
+        return max(files, key=lambda f: f.stat().st_mtime) if files else None
+    return Path(text).expanduser()
 
 
 SIGTERM_LINE = ("[lldslight] SIGTERM: finishing the training step in flight (its rollout and update; minutes on a "

@@ -17,7 +17,7 @@ from lldslight.errors import CheckpointError, MissingFileError
 
 LIGHTNING_KEY = "pytorch-lightning_version"
 # Values of --ckpt_path that Lightning resolves itself (not file paths).
-_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
 
 # --------------------------------------------------------------------------- retriever
@@ -117,7 +117,7 @@ def check_checkpoint(ckpt_path: Any) -> None:
     if ckpt_path is None:
         return
     text = str(ckpt_path)
-    if text in _CKPT_KEYWORDS or "://" in text or text.startswith("registry:"):
+    if text in CKPT_KEYWORDS or "://" in text or text.startswith("registry:"):
         return
     path = Path(text).expanduser()
     if path.is_dir():

@@ -1,11 +1,15 @@
 """Answer extraction, SQuAD normalisation, EM/F1 and the pluggable reward (docs/algorithm.md §1).
 
 A reward function is any callable ``(response: str, golden_answers: list[str]) -> float``; a
-config names it by ``class_path`` so users plug their own without touching the library. A reward
-that also wants the rollout's context declares it by name, as keyword parameters after those two
-(any of ``question``, ``data_source``, ``turns``, or ``**kwargs`` for all; :class:`RewardCaller`
-reads the signature once): ``turns`` is a tuple of trajectory.Turn, each action's text and the
-query it searched for. Rewards with the two-argument signature are called as before.
+config names it by ``class_path`` so users plug their own without touching the library (type hints
+are optional). A reward that also wants the rollout's context declares it by name, as keyword
+parameters after those two (any of ``question``, ``data_source``, ``turns``, or ``**kwargs`` for
+all; :class:`RewardCaller` reads the signature once): ``turns`` is a tuple of trajectory.Turn, each
+action's text and the query it searched for. Rewards with the two-argument signature are called as
+before. A reward must return a finite number (float32's range: trajectories store rewards as
+float32); one that returns anything else, or raises, stops the run with a :class:`RewardError`
+naming the reward and the question: a NaN reward would make its whole group's advantages NaN and
+every update would be vetoed, a run that learns nothing and says nothing.
 
 ``response`` is what the model wrote and nothing else: a :class:`ModelText`, the text of its
 actions (each turn's sampled tokens, decoded without special tokens) concatenated in order, which
@@ -23,12 +27,15 @@ the final answer. The full text with observations stays in ``Trajectory.response
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import string
 from collections import Counter
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-from lldslight.errors import ConfigError
+import numpy as np
+
+from lldslight.errors import ConfigError, UserError
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -125,21 +132,76 @@ class RewardFn(Protocol):
 REWARD_CONTEXT = ("question", "data_source", "turns")
 
 
+class RewardError(UserError):
+    """A reward raised, or returned something other than a finite number; the message names the
+    reward and the question (the reward's own exception is the ``__cause__``: ``--debug`` shows it)."""
+
+
+# Trajectories hold rewards as float32: a larger magnitude is infinite there (1e308 is a finite float).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+QUESTION_SHOWN = 80  # characters of the question a reward error quotes
+
+
+def reward_name(fn: Callable[..., Any]) -> str:
+    """``module.Class`` of a callable object, ``module.function`` of a function: as YAML names it."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(fn).__qualname__)}"
+
+
 class RewardCaller:
     """Calls a reward with ``(response, golden_answers)`` and, by keyword, the parts of
     :data:`REWARD_CONTEXT` its signature names (all of them for ``**kwargs``). The signature is
     read once, here: a parameter the rollout cannot supply is a configuration error now, not a
-    TypeError at the first step."""
+    TypeError at the first step. Returns the reward as a float; a reward that raises or returns
+    anything but a finite number raises :class:`RewardError` (``context`` gives the question)."""
 
     def __init__(self, fn: Callable[..., float]) -> None:
         self.fn = fn
-        self.wants = _reward_context(fn)
+        self.name = reward_name(fn)
+        self.wants = _reward_context(fn, self.name)
 
     def __call__(self, response: str, golden_answers: list[str], **context: Any) -> float:
-        return self.fn(response, golden_answers, **{k: context[k] for k in self.wants})
+        try:
+            value = self.fn(response, golden_answers, **{k: context[k] for k in self.wants})
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise RewardError(f"reward {self.name} raised {type(err).__name__}{': ' + first if first else ''} "
+                              f"{self._where(context)} (--debug shows its traceback)") from err
+        number = _as_float(value)
+        if number is not None and math.isfinite(number) and abs(number) <= FLOAT32_MAX:
+            return number
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        if number is None:
+            why = f"not a {type(value).__name__}: a reward must return a finite number (a float)"
+        elif math.isfinite(number):
+            why = (f"a reward must return a finite number within float32's range (|r| <= {FLOAT32_MAX:.4g}; "
+                   "trajectories store rewards as float32, where it is infinite)")
+        else:
+            why = ("a reward must return a finite number (with a NaN or infinite reward its group's advantages are NaN "
+                   "and every update is vetoed)")
+        raise RewardError(f"reward {self.name} returned {shown} {self._where(context)}: {why}")
+
+    @staticmethod
+    def _where(context: dict[str, Any]) -> str:
+        question = str(context.get("question", "?"))
+        if len(question) > QUESTION_SHOWN:
+            question = question[: QUESTION_SHOWN - 3] + "..."
+        source = context.get("data_source")
+        return f"for question {question!r}" + (f" (data_source {source})" if source else "")
 
 
-def _reward_context(fn: Callable[..., float]) -> tuple[str, ...]:
+def _as_float(value: Any) -> Optional[float]:
+    """``value`` as a float when it is one number (a Python or numpy number, a bool, a one-element
+    tensor or array); None for anything else (None, a string, several numbers)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _reward_context(fn: Callable[..., float], name: str) -> tuple[str, ...]:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
@@ -150,7 +212,6 @@ def _reward_context(fn: Callable[..., float]) -> tuple[str, ...]:
     rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
     unknown = [p.name for p in rest if p.name not in REWARD_CONTEXT and p.default is p.empty]
     if unknown or (len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params)):
-        name = getattr(fn, "__qualname__", type(fn).__qualname__)
         raise ConfigError(f"reward {name}: its parameters must be (response, golden_answers) and, by keyword, any of "
                           f"{', '.join(REWARD_CONTEXT)}; got {[p.name for p in params]}")
     return tuple(p.name for p in rest if p.name in REWARD_CONTEXT)

@@ -4,8 +4,14 @@ never another run's, never two processes at once.
 - A directory that already holds a run (a ``metrics.csv``, checkpoints, anything beyond the
   ``config.yaml`` / ``hparams.yaml`` Lightning writes at start) is refused without ``--force``:
   the CSV logger would replace its ``metrics.csv`` and Lightning its ``config.yaml`` while the old
-  checkpoints stayed, a directory that no longer describes either run. A fixed
+  checkpoints stayed, a directory that no longer describes either run (and ``--ckpt_path last``
+  would pick the old ``last.ckpt`` over the new ``last-v1.ckpt``). A fixed
   ``trainer.logger.init_args.version`` is how that happens; a numbered one is always new.
+- ``--force`` replaces the earlier run: its files are listed in one line, then removed, before the
+  run starts, so nothing of it is left to be mistaken for the new run's.
+- A ``fit`` that resumes from a checkpoint inside the directory continues that run: nothing is
+  refused or removed, and the CSV logger's earlier rows are kept (Lightning's CSV writer deletes
+  ``metrics.csv`` when it opens a directory; :func:`keep_metrics` puts them back first).
 - While a process writes it, the directory is locked (``flock`` on ``.version_N.lock`` beside it,
   which the kernel releases when the process ends, however it ends; beside, not inside, because
   Lightning warns about a run directory that is not empty): a second process given the same
@@ -14,7 +20,12 @@ never another run's, never two processes at once.
 """
 from __future__ import annotations
 
+import csv
+import io
 import os
+import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,8 +71,9 @@ def previous_run(path: Path) -> list[str]:
 class RunLock:
     """The lock on one run directory, held until :meth:`release` or the process ends."""
 
-    def __init__(self, path: Path, handle: Any):
+    def __init__(self, path: Path, handle: Any, continued: bool = False):
         self.path, self._handle = path, handle
+        self.continued = continued  # a fit resuming the run this directory holds
 
     def release(self) -> None:
         # The lock file stays (hidden, beside the run): removing it would let a process that opened
@@ -71,9 +83,16 @@ class RunLock:
             self._handle = None
 
 
-def claim(path: Path, force: bool, version_key: str) -> RunLock:
-    """Lock ``path`` for this process, then check that it holds no earlier run (unless ``force``).
-    ``version_key`` is the setting that chose the directory, for the message."""
+def within(path: Optional[Path], directory: Path) -> bool:
+    """``path`` is ``directory`` or inside it (symbolic links resolved)."""
+    return path is not None and Path(path).resolve().is_relative_to(directory.resolve())
+
+
+def claim(path: Path, force: bool, version_key: str, checkpoint: Optional[Path] = None, fit: bool = False) -> RunLock:
+    """Lock ``path`` for this process, then check that it holds no earlier run (unless ``force``,
+    which removes that run's files, listed first). A ``fit`` whose ``checkpoint`` lies inside
+    ``path`` continues the run there (``RunLock.continued``). ``version_key`` is the setting that
+    chose the directory, for the messages."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(lock_path(path), "a+")
@@ -89,16 +108,65 @@ def claim(path: Path, force: bool, version_key: str) -> RunLock:
             handle.close()
             raise UserError(f"run directory {path} is being written by another process (pid {holder}, per "
                             f"{lock_path(path)}); wait for it to end, or give this run another {version_key}") from None
-    lock = RunLock(path, handle)
+    own = within(checkpoint, path)
+    lock = RunLock(path, handle, continued=fit and own)
     earlier = previous_run(path)
-    if earlier and not force:
+    try:
+        if earlier and not lock.continued:
+            if not force:
+                shown = ", ".join(earlier[:4]) + (f", ... ({len(earlier)} files)" if len(earlier) > 4 else "")
+                resume = " or resume it (fit --ckpt_path last)," if fit else ""
+                raise UserError(f"run directory {path} already holds a run ({shown}); this run would replace its "
+                                f"metrics.csv and config.yaml: choose another {version_key} (or leave it unset for a new "
+                                f"version_N),{resume} or pass --force to replace that run (its files are removed first)")
+            if own:
+                raise UserError(f"--ckpt_path {checkpoint} is inside the run directory {path}, which --force would "
+                                f"replace (its files removed, the checkpoint too): give this run another {version_key}")
+            replace_run(path)
+    except BaseException:
         lock.release()
-        shown = ", ".join(earlier[:4]) + (f", ... ({len(earlier)} files)" if len(earlier) > 4 else "")
-        raise UserError(f"run directory {path} already holds a run ({shown}); this run would replace its metrics.csv "
-                        f"and config.yaml: choose another {version_key} (or leave it unset for a new version_N), or "
-                        "pass --force to write over it")
+        raise
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
     return lock
+
+
+def replace_run(path: Path) -> None:
+    """``--force``: say which files of the earlier run in ``path`` go, then remove them all (the
+    start files too: nothing of it may be taken for the new run's)."""
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if not p.is_dir())
+    shown = ", ".join(files[:8]) + (", ..." if len(files) > 8 else "")
+    print(f"[lldslight] --force: replacing the earlier run in {path}: removing its {len(files)} "
+          f"file{'s' if len(files) != 1 else ''} ({shown})", file=sys.stderr, flush=True)
+    try:
+        for entry in path.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError as err:
+        raise UserError(f"--force: cannot remove the earlier run's {err.filename or path}: {err.strerror or err}") from None
+
+
+def keep_metrics(logger: Any) -> None:
+    """Open a CSV logger's writer over the ``metrics.csv`` its directory holds without losing it:
+    Lightning's writer deletes the file when it opens a non-empty directory (and warns that it
+    will), then writes a new one; the earlier rows are put back and their columns made the
+    writer's, so the resumed run's rows are appended (a new column rewrites the file with it,
+    Lightning's own rule, the values kept). Loggers other than a CSV logger keep their files anyway."""
+    from lightning.fabric.loggers.csv_logs import CSVLogger, _ExperimentWriter
+
+    if not isinstance(logger, CSVLogger):  # Lightning's CSVLogger derives from Fabric's
+        return
+    metrics = Path(str(logger.log_dir)) / _ExperimentWriter.NAME_METRICS_FILE
+    if not metrics.is_file():
+        return
+    data = metrics.read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Previous log files in this directory will be deleted": not these
+        writer = logger.experiment
+    metrics.write_bytes(data)
+    header = next(csv.reader(io.StringIO(data.decode("utf-8", errors="replace"))), [])
+    writer.metrics_keys = [k for k in header if k]

@@ -14,6 +14,9 @@ as a subprocess (PYTHONPATH=tests, so YAML names them as ``run_helpers.X``).
   splits the others by response-length parity.
 - ``CountGenerate``: records, per step and rank, every generate call's groups and rewards and the
   trajectory trained on (dynamic sampling's rank agreement).
+- ``ConstantReward``, ``RaisingReward``, ``KeywordReward``, ``UntypedReward``, ``ResponseOnlyReward``:
+  the rewards of the bad-reward tests (a value that is not a finite number, an exception, the
+  keyword form of the docs, no type hints, a signature lldslight cannot call).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import os
 import signal
 import zlib
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +38,46 @@ from lldslight.trajectory import Trajectory
 class ParityReward:
     def __call__(self, response: str, golden_answers: list[str]) -> float:
         return float(len(response) % 2)
+
+
+class ConstantReward:
+    """Returns ``value`` for every response: "nan", "inf" and other strings are read as floats;
+    "none" returns None and "pair" a 2-element tensor (what a reward must never return)."""
+
+    def __init__(self, value: Union[float, str] = 0.5) -> None:
+        self.value = value
+
+    def __call__(self, response: str, golden_answers: list[str]) -> float:
+        if self.value == "none":
+            return None  # type: ignore[return-value]
+        if self.value == "pair":
+            return torch.tensor([0.0, 1.0])  # type: ignore[return-value]
+        return float(self.value)
+
+
+class RaisingReward:
+    def __call__(self, response: str, golden_answers: list[str]) -> float:
+        raise KeyError("golden_answers[1]")
+
+
+class KeywordReward:
+    """The keyword form docs/errors_and_resume.md documents; records what it was given."""
+
+    seen: list[dict] = []
+
+    def __call__(self, response, golden_answers, *, question, data_source, turns):
+        KeywordReward.seen.append({"question": question, "data_source": data_source, "turns": len(turns)})
+        return float(len(response) % 2)
+
+
+class UntypedReward:
+    def __call__(self, response, golden_answers):
+        return float(len(response) % 2)
+
+
+class ResponseOnlyReward:
+    def __call__(self, response):
+        return 0.0
 
 
 class SplitReward:

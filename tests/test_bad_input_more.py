@@ -372,3 +372,110 @@ def test_an_unwritable_export_out_is_one_line_before_loading(work, module_checkp
     code, err = run_cli(["export", "--ckpt", str(module_checkpoint), "--out", str(blocker / "exported")], work, capsys)
     assert_one_line_error(code, err, "export", "--out", f"cannot write to {blocker}")
     assert "policy.precision" not in err  # said before the model was built (load_policy announces its precision)
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_folder_of_data_files_is_not_read_as_a_dataset(work, unloadable_model, capsys, tmp_path, synth_kb, command):
+    """A folder given as a data file, with a train.jsonl two levels down: datasets.load_dataset would
+    read it as a dataset folder and train.jsonl would silently become the validation set."""
+    import shutil
+
+    folder = tmp_path / "somefolder"
+    (folder / "a" / "b").mkdir(parents=True)
+    shutil.copy(synth_kb["train_jsonl"], folder / "a" / "b" / "train.jsonl")
+    cfg = tiny_config(tmp_path / "t.yaml", model=unloadable_model)
+    args = fit_args(cfg, tmp_path / "runs", "--data.val_files", f"[{folder}]")
+    code, err = run_cli([command, *args[1:]], work, capsys)
+    assert_one_line_error(code, err, command, str(folder), "a directory", "save_to_disk", ".parquet, .jsonl or .json")
+
+
+@pytest.mark.parametrize("overlay, extra, needles", [
+    ("model: {update: null}\n", [], ["model.update must be a mapping of settings", "got None"]),
+    ("model: {optim: [0.001]}\n", [], ["model.optim must be a mapping of settings", "got [0.001]", "lr"]),
+    ("model: {policy: 3}\n", [], ["model.policy must be a mapping of settings", "got 3"]),
+], ids=["update-null", "optim-list", "policy-scalar"])
+def test_a_settings_group_given_as_a_value_is_one_line(work, capsys, tmp_path, overlay, extra, needles):
+    """A group of model settings (model.update, model.optim, ...) written as null, a list or a
+    scalar: jsonargparse's TypeError about functools.partial, after the config was read."""
+    (tmp_path / "o.yaml").write_text(overlay)
+    code, err = run_cli(["fit", "--config", str(TINY), "--config", str(tmp_path / "o.yaml"), *extra,
+                         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")], work, capsys)
+    assert_one_line_error(code, err, "fit", *needles)
+    assert "functools.partial" not in err
+
+
+@pytest.mark.parametrize("callback", [
+    "{class_path: lldslight.callbacks.AdaptiveRate, init_args: {target_kl: 0.02}}",
+    "{class_path: lldslight.callbacks.GradientSpikeGuard}",
+], ids=["AdaptiveRate", "GradientSpikeGuard"])
+def test_a_stateful_callback_given_twice_is_one_line(work, unloadable_model, capsys, tmp_path, callback):
+    """Lightning keeps one state per stateful callback class in a checkpoint: its RuntimeError was
+    33 lines; said once, before the model loads, with both entries."""
+    cfg = tiny_config(tmp_path / "t.yaml", model=unloadable_model)
+    (tmp_path / "o.yaml").write_text(f"trainer:\n  callbacks+:\n    - {callback}\n    - {callback}\n")
+    code, err = run_cli(fit_args(cfg, tmp_path / "runs", "--config", str(tmp_path / "o.yaml")), work, capsys)
+    name = callback.split("class_path: ")[1].split(",")[0].rstrip("}").rpartition(".")[2]
+    assert_one_line_error(code, err, "fit", f"trainer.callbacks: {name} is given twice (entries 3 and 4)", "remove one")
+
+
+def read_only_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write: a mode-555 one, unless root ignores the mode; then
+    sysfs, which refuses new entries to root too; else the test is skipped."""
+    mine = tmp_path / "read_only"
+    mine.mkdir()
+    mine.chmod(0o555)
+    for candidate in (mine, Path("/sys")):
+        try:
+            (candidate / "lldslight-write-probe").mkdir()
+        except OSError:
+            return candidate
+        (candidate / "lldslight-write-probe").rmdir()
+    pytest.skip("no directory here refuses this process's writes")
+
+
+def test_data_synth_into_an_unwritable_place_is_one_line(work, capsys, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    small = ["--entities", "30", "--dev", "2", "--test", "2"]
+    code, err = run_cli(["data", "synth", "--out", str(blocker / "kb"), *small], work, capsys)
+    assert_one_line_error(code, err, "data", f"cannot write to {blocker / 'kb'}", "--out")
+    assert blocker.read_text() == "x"
+    read_only = read_only_dir(tmp_path)
+    code, err = run_cli(["data", "synth", "--out", str(read_only / "kb"), *small], work, capsys)
+    assert_one_line_error(code, err, "data", f"cannot write to {read_only / 'kb'}")
+    # from a read-only working directory: the config's relative out_dir is there
+    code, err = run_cli(["data", "synth", "--config", str(ROOT / "configs" / "demo.yaml")], read_only, capsys)
+    out_dir = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["data"]["synthesize"]["out_dir"]
+    assert_one_line_error(code, err, "data", f"cannot write to {out_dir}", "data.synthesize.out_dir")
+
+
+def test_serve_a_file_as_the_index_is_one_line(work, capsys, synth_kb):
+    corpus = synth_kb["corpus"]
+    code, err = run_cli(["serve", "--index", str(corpus)], work, capsys)
+    assert_one_line_error(code, err, "serve", f"{corpus} is a file, not an index directory",
+                          f"lldslight index --corpus {corpus}")
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_a_later_checkpoint_names_the_earlier_ones(work, capsys, tmp_path, monkeypatch):
+    """Step 2's checkpoint meets a full disk (ENOSPC while torch writes it); step 1's last.ckpt and
+    epoch=0-step=1.ckpt are there: the line names them, not "no earlier checkpoint"."""
+    import errno
+
+    real_save = torch.save
+
+    def full_disk_at_step_2(obj, f, *args, **kwargs):
+        if "step=2" in str(getattr(f, "name", f)):
+            f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk_at_step_2)
+    code, err = run_cli(fit_args(TINY, tmp_path / "runs", "--trainer.logger.init_args.version", "0"), work, capsys)
+    checkpoints = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    line = assert_one_line_error(code, err, "fit", f"cannot write checkpoint {checkpoints / 'epoch=0-step=2.ckpt'}",
+                                 "No space left on device", f"the checkpoints written before are intact, the newest "
+                                 f"{checkpoints / 'last.ckpt'}: resume with --ckpt_path {checkpoints / 'last.ckpt'}")
+    assert "no earlier checkpoint was there" not in line
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 1

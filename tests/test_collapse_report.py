@@ -120,6 +120,21 @@ def test_smoke_pipeline_end_to_end(collapse, tmp_path) -> None:
     assert again["runs"] == result["runs"] and (archive / "collapse.md").read_text() == written
 
 
+@pytest.mark.parametrize("extra", [["--arms", "nosucharm"], ["--arms", "grpo"], ["--seeds", "3"], ["--", "--model.optim.lr", "1"]],
+                         ids=["unknown-arm", "known-arm", "seeds", "fit-overrides"])
+def test_report_only_refuses_what_it_would_ignore(collapse, tmp_path, capsys, extra) -> None:
+    """--report-only reports every archived run of the set: an option that chooses runs or their
+    settings would be ignored, and the committed report rewritten anyway; refused, nothing written."""
+    archived(tmp_path / "grpo" / "seed0", [0.8] * 30)
+    collapse.report(tmp_path, [("grpo", 0)], {}, "grpo", 30, {"arms": ["grpo"], "seeds": [0]})
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("collapse.*")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=r"collapse: --report-only reports every archived run .*: " + extra[0].replace("-", r"\-")):
+        collapse.main(["--report-only", "--archive", str(tmp_path), "--out", str(tmp_path / "runs"), *extra])
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("collapse.*")} == before
+    assert capsys.readouterr().out == ""
+
+
 def test_alarm_scoring_by_hand() -> None:
     """lab/alarm_eval.py's scoring: a warning counts for a collapse within 100 steps after
     it; earlier or collapse-less warnings are false alarms."""

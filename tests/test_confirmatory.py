@@ -156,6 +156,28 @@ def test_a_set_without_its_report_is_named(conf, tmp_path):
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("other, why", [("c2_2.5e-4", "lr 2.5e-4"), ("c2_1e-3", "arm bound"), ("final", "arm onpolicy")])
+def test_another_sets_archive_is_not_reported_as_c1(conf, tmp_path, capsys, other, why):
+    """Another set's archive was reported as C1 ("0 of 20 runs archived") and a c1.json written into it."""
+    src = ROOT / "lab" / "archive" / "collapse" / other
+    if not (src / "collapse.json").is_file():
+        pytest.skip(f"{other} is not committed")
+    shutil.copytree(src, tmp_path / other)
+    with pytest.raises(SystemExit, match=rf"confirmatory: {tmp_path / other} is not C1's set \(.*{why}.*\)"):
+        conf.main(["--set", str(tmp_path / other)])
+    assert not (tmp_path / other / "c1.json").exists() and capsys.readouterr().out == ""
+
+
+def test_json_into_a_directory_is_refused_before_the_analysis(conf, tmp_path, capsys):
+    if not (SET / "collapse.json").is_file():
+        pytest.skip("C1's archive is not in this checkout")
+    shutil.copytree(SET, tmp_path / "c1_5e-4")
+    for target, problem in ((tmp_path, "is a directory"), (tmp_path / "no" / "such" / "c1.json", "no such directory")):
+        with pytest.raises(SystemExit, match=rf"confirmatory: --json {target}: {problem}"):
+            conf.main(["--set", str(tmp_path / "c1_5e-4"), "--json", str(target)])
+        assert capsys.readouterr().out == ""  # nothing analysed first
+
+
 def test_c2_report_names_each_runs_machine_and_flags_pairs_across_machines(conf, tmp_path):
     """On copies of the committed C2 archives (and C1's, whose GRPO runs are C2's 5e-4 column):
     every archived run carries the machine kind its set recorded; a seed whose bound run and GRPO-at-

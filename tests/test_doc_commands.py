@@ -37,20 +37,25 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md"))]
 
 
-def shell_blocks(text: str) -> list[str]:
-    """The bodies of a page's fenced blocks in a shell language (or none), fences paired in order."""
+def fenced_blocks(text: str, languages: tuple[str, ...]) -> list[str]:
+    """The bodies of a page's fenced blocks in one of ``languages``, fences paired in order."""
     blocks, language, body = [], None, []
     for line in text.splitlines():
         fence = re.match(r"\s*```(\w*)", line)
         if fence and language is None:
             language, body = fence.group(1), []
         elif fence:
-            if language in ("", "bash", "sh", "shell", "console"):
+            if language in languages:
                 blocks.append("\n".join(body) + "\n")
             language = None
         elif language is not None:
             body.append(line)
     return blocks
+
+
+def shell_blocks(text: str) -> list[str]:
+    """The bodies of a page's fenced blocks in a shell language (or none)."""
+    return fenced_blocks(text, ("", "bash", "sh", "shell", "console"))
 
 
 def page_commands(page: Path) -> list[list[str]]:
@@ -156,3 +161,57 @@ def test_a_pages_commands_run(page, tmp_path):
     path = ROOT / page if page == "README.md" else ROOT / "docs" / page
     failures = run_page(path, tmp_path)
     assert not failures, "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- config blocks
+
+
+def overlay_blocks() -> list[tuple[str, int, str]]:
+    """(page, index, text) of every YAML block of the pages that is a config overlay: a mapping of
+    config sections that defines no SearchRollout of its own (a block that does is a base config's
+    excerpt, e.g. generation_backends.md's, and replaces the callbacks on purpose)."""
+    out = []
+    for page in pages():
+        for i, text in enumerate(fenced_blocks(page.read_text(), ("yaml",))):
+            cfg = yaml.safe_load(text)
+            if isinstance(cfg, dict) and set(cfg) <= {"model", "data", "trainer", "seed_everything"} \
+                    and "lldslight.callbacks.SearchRollout" not in text:
+                out.append((page.name, i, text))
+    return out
+
+
+def composed_callbacks(configs: list[Path], cwd: Path, capsys) -> list[str]:
+    from tests.test_bad_input import _printed
+
+    args = [a for c in configs for a in ("--config", str(c))]
+    return [c["class_path"] for c in _printed(args, cwd, capsys)["trainer"].get("callbacks") or []]
+
+
+@pytest.mark.parametrize("page, index, text", overlay_blocks(), ids=lambda v: v if isinstance(v, str) and v.endswith(".md") else "")
+def test_a_pages_config_block_keeps_the_base_configs_callbacks(page, index, text, tmp_path, capsys):
+    """An overlay written on a page, composed on the demo config as the pages compose them: every
+    callback of the base stays (a plain `callbacks:` list replaces the base's, SearchRollout too,
+    and the fit fails once the model has loaded); `callbacks+:` appends."""
+    block = tmp_path / "block.yaml"
+    block.write_text(text)
+    base = composed_callbacks([ROOT / "configs" / "demo.yaml"], tmp_path, capsys)
+    both = composed_callbacks([ROOT / "configs" / "demo.yaml", block], tmp_path, capsys)
+    missing = [c for c in base if c not in both]
+    assert not missing, f"{page}'s YAML block {index} drops the base config's {missing} (write `callbacks+:`)"
+
+
+@pytest.mark.slow
+def test_the_drift_bound_block_trains_as_an_overlay(tmp_path):
+    """stability.md's drift-bound block on the tiny stand-in for the demo config, one step; 4
+    prompts x group 2 = 8 rows, one per each of its 8 updates."""
+    (text,) = [t for page, _, t in overlay_blocks() if page == "stability.md" and "AdaptiveRate" in t]
+    block = tmp_path / "drift.yaml"
+    block.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "lldslight.cli", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                           "--config", str(block), "--trainer.max_steps", "1", "--data.batch_size", "4",
+                           "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = (tmp_path / "runs" / "tiny" / "version_0" / "metrics.csv").read_text()
+    assert "drift/lr_scale" in metrics and "drift/updates" in metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from tqdm.auto import tqdm
@@ -19,7 +19,7 @@ from lldslight.metric_rules import reduction
 from lldslight.policy import load_tokenizer, resolve_model_dir
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
-from lldslight.rewards import ExactMatchReward, RewardFn
+from lldslight.rewards import ExactMatchReward, RewardCaller
 from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine
 
 
@@ -32,7 +32,10 @@ class SearchRollout(pl.Callback):
     Args:
         retriever: the search engine (BM25, dense, HTTP, or your own ``search(queries, k)``).
         reward: scores a response against the gold answers; None = exact match (docs/algorithm.md §1). Give
-            the ``class_path`` of your own callable class to plug in another.
+            the ``class_path`` of your own callable class (or the import path of a function) to plug
+            in another: ``(response, golden_answers)`` and, by keyword, any of ``question``,
+            ``data_source``, ``turns`` (lldslight/rewards.py), type hints optional; it must return a
+            finite number.
         rollout: sampling settings for training.
         eval_max_turns: search rounds in evaluation.
         eval_max_new_tokens: per-turn budget in evaluation (None = the training one).
@@ -56,7 +59,10 @@ class SearchRollout(pl.Callback):
     def __init__(
         self,
         retriever: Retriever,
-        reward: Optional[RewardFn] = None,
+        # Callable, not the RewardFn protocol: jsonargparse's protocol check wants the protocol's
+        # exact parameters and type hints, so the documented keyword form and an unannotated reward
+        # were refused ("does not implement protocol"); RewardCaller checks the signature instead.
+        reward: Optional[Callable[..., float]] = None,
         rollout: RolloutConfig = RolloutConfig(),
         eval_max_turns: int = 4,
         eval_max_new_tokens: Optional[int] = None,
@@ -69,6 +75,7 @@ class SearchRollout(pl.Callback):
         require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "SearchRollout.eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
         self.retriever = retriever
         self.reward = reward if reward is not None else ExactMatchReward()
+        RewardCaller(self.reward)  # its signature, now: before the policy loads, in one line
         self.config = rollout
         self.eval_config = dataclasses.replace(
             rollout,

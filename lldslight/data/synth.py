@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.data.example import QAExample
-from lldslight.errors import ConfigError, require
+from lldslight.errors import ConfigError, UserError, require
 from lldslight.data.formats import (
     format_passage,
     template_messages,
@@ -26,6 +26,7 @@ from lldslight.data.formats import (
     write_flashrag_jsonl,
     write_searchr1_parquet,
 )
+from lldslight.writes import check_writable, write_failure
 
 # Bump when the generator's output changes, so stale knowledge bases are regenerated.
 GENERATOR_VERSION = 1
@@ -575,33 +576,44 @@ def synthesize(
                           "replace them: choose another output directory (--out, "
                           "data.synthesize.out_dir), or pass --force to lldslight data synth")
 
-    out.mkdir(parents=True, exist_ok=True)
-    paths["manifest"].unlink(missing_ok=True)
+    # A read-only or missing place is said now, naming the directory (it was an OSError traceback).
+    check_writable(out, "the knowledge base (--out, data.synthesize.out_dir)")
     # Per-process names: two jobs that synthesise the same data at once (the lab builds its two
     # warm-start policies side by side) would otherwise rename each other's half-written files.
     tmp = {k: p.with_name(f"{p.name}.{os.getpid()}.tmp") for k, p in paths.items()}
-    write_corpus_jsonl(corpus, tmp["corpus"])
-    for s in SPLITS:
-        write_searchr1_parquet(splits[s], tmp[s])
-        write_flashrag_jsonl(splits[s], tmp[f"{s}_jsonl"])
-    for k in paths:
-        if k != "manifest":
-            os.replace(tmp[k], paths[k])
-    words = [len(r["contents"].split("\n", 1)[1].split()) for r in corpus]
-    manifest = {
-        "generator": "lldslight.data.synth",
-        "version": GENERATOR_VERSION,
-        "args": args,
-        "counts": {
-            "passages": len(corpus),
-            "avg_passage_words": round(sum(words) / len(words), 1),
-            "entities": {"countries": len(world.countries), "cities": len(world.cities), "organisations": len(world.orgs),
-                         "people": len(world.people), "works": len(world.works)},
-            **{s: {t: sum(ex.meta["type"] == t for ex in splits[s]) for t in QUESTION_TYPES} for s in SPLITS},
-        },
-        "fingerprint": fingerprint,
-        "files": {k: _sha256(paths[k]) for k in paths if k != "manifest"},
-    }
-    tmp["manifest"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp["manifest"], paths["manifest"])
+    try:
+        paths["manifest"].unlink(missing_ok=True)
+        write_corpus_jsonl(corpus, tmp["corpus"])
+        for s in SPLITS:
+            write_searchr1_parquet(splits[s], tmp[s])
+            write_flashrag_jsonl(splits[s], tmp[f"{s}_jsonl"])
+        for k in paths:
+            if k != "manifest":
+                os.replace(tmp[k], paths[k])
+        words = [len(r["contents"].split("\n", 1)[1].split()) for r in corpus]
+        manifest = {
+            "generator": "lldslight.data.synth",
+            "version": GENERATOR_VERSION,
+            "args": args,
+            "counts": {
+                "passages": len(corpus),
+                "avg_passage_words": round(sum(words) / len(words), 1),
+                "entities": {"countries": len(world.countries), "cities": len(world.cities), "organisations": len(world.orgs),
+                             "people": len(world.people), "works": len(world.works)},
+                **{s: {t: sum(ex.meta["type"] == t for ex in splits[s]) for t in QUESTION_TYPES} for s in SPLITS},
+            },
+            "fingerprint": fingerprint,
+            "files": {k: _sha256(paths[k]) for k in paths if k != "manifest"},
+        }
+        tmp["manifest"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp["manifest"], paths["manifest"])
+    except Exception as err:  # a full disk half-way: no manifest, so the next run writes the files again
+        reason = write_failure(err)
+        if reason is None:
+            raise
+        raise UserError(f"the knowledge base: cannot write {out}: {reason} (its manifest is not written: the next "
+                        "synthesis writes every file again)") from None
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
     return paths

@@ -186,6 +186,10 @@ class IndexConfig:
     @classmethod
     def read(cls, index_dir: str | os.PathLike) -> "IndexConfig":
         path = Path(index_dir) / CONFIG_NAME
+        if Path(index_dir).is_file():  # a corpus given for its index, typically (was NotADirectoryError)
+            raise RetrievalError(f"no index at {index_dir}: {index_dir} is a file, not an index directory (a corpus? "
+                                 f"build its index with `lldslight index --corpus {index_dir} --out DIR`, or serve it "
+                                 f"with --corpus {index_dir})")
         try:
             raw = json.loads(path.read_text())
             return cls(

@@ -32,7 +32,7 @@ from lldslight.data.formats.corpus import (
     write_corpus_jsonl,
 )
 from lldslight.data.formats.flashrag import flashrag_record_to_example, read_flashrag_jsonl, write_flashrag_jsonl
-from lldslight.data.formats.hf import load_hf_dataset
+from lldslight.data.formats.hf import is_saved_dataset, load_hf_dataset
 from lldslight.data.formats.multihop import (
     hotpotqa_record_to_example,
     load_2wiki,
@@ -58,6 +58,7 @@ __all__ = [
     "flashrag_record_to_example",
     "format_passage",
     "hotpotqa_record_to_example",
+    "is_saved_dataset",
     "iter_corpus",
     "load_2wiki",
     "load_examples",
@@ -107,10 +108,16 @@ def load_examples(
 
     .parquet: Search-R1. .jsonl / .json: FlashRAG, R1-Searcher {idx, question, answer}, Search-R1
     rows, HotpotQA-with-contexts, 2Wiki, native MuSiQue. A directory: a HF dataset saved with
-    ``save_to_disk`` (``split`` picks one split of a DatasetDict).
+    ``save_to_disk`` (``split`` picks one split of a DatasetDict), and no other: ``datasets``
+    reads any folder as a dataset of the data files it finds in it, at any depth, so a folder given
+    by mistake would silently become the data.
     """
     p = Path(path)
     if p.is_dir():
+        if not is_saved_dataset(p):
+            raise DataFormatError(f"{p}: a directory, but neither a dataset saved with save_to_disk (no "
+                                  "dataset_info.json or dataset_dict.json in it) nor a data file: give a .parquet, "
+                                  ".jsonl or .json file, or such a dataset directory")
         return load_hf_dataset(p, split=split, data_source=data_source)
     require_file(p)
     if p.suffix == ".parquet":

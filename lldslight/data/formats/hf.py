@@ -10,6 +10,12 @@ from lldslight.data.formats.common import field_error, read_answers, read_id, re
 from lldslight.data.formats.searchr1 import searchr1_record_to_example
 
 
+def is_saved_dataset(path: str | os.PathLike) -> bool:
+    """``path`` is a directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    p = Path(path)
+    return p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
 def load_hf_dataset(
     path_or_name: str | os.PathLike,
     split: Optional[str] = "train",
@@ -28,7 +34,7 @@ def load_hf_dataset(
     import datasets  # deferred: importing datasets costs ~1 s and most callers never need it
 
     p = Path(path_or_name)
-    is_saved = p.is_dir() and ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists())
+    is_saved = is_saved_dataset(p)
     try:
         ds = datasets.load_from_disk(str(p)) if is_saved else datasets.load_dataset(str(path_or_name), split=split)
     except FileNotFoundError as e:
