@@ -430,18 +430,18 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
 def _claim_run_dirs(trainer: Any, force: bool, ckpt_path: Any, subcommand: str) -> list:
     """Each logger's run directory checked (no earlier run in it without --force, which replaces
     it; a fit resuming from a checkpoint inside it continues that run, its metrics kept) and locked."""
-    from lldslight.run_dir import claim, keep_metrics, log_dir
+    from lldslight.run_dir import checkpoint_step, claim, keep_metrics, log_dir
 
     locks: list = []
     try:
         for logger in getattr(trainer, "loggers", None) or []:
             path = log_dir(logger)
             if path is not None:
-                lock = claim(path, force, "trainer.logger.init_args.version", _checkpoint_file(trainer, ckpt_path),
-                             fit=subcommand == "fit")
+                ckpt = _checkpoint_file(trainer, ckpt_path)
+                lock = claim(path, force, "trainer.logger.init_args.version", ckpt, fit=subcommand == "fit")
                 locks.append(lock)
                 if lock.continued:
-                    keep_metrics(logger)
+                    keep_metrics(logger, checkpoint_step(ckpt))
     except BaseException:
         for lock in locks:
             lock.release()

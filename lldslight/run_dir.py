@@ -150,12 +150,15 @@ def replace_run(path: Path) -> None:
         raise UserError(f"--force: cannot remove the earlier run's {err.filename or path}: {err.strerror or err}") from None
 
 
-def keep_metrics(logger: Any) -> None:
+def keep_metrics(logger: Any, resume_step: Optional[int] = None) -> None:
     """Open a CSV logger's writer over the ``metrics.csv`` its directory holds without losing it:
     Lightning's writer deletes the file when it opens a non-empty directory (and warns that it
     will), then writes a new one; the earlier rows are put back and their columns made the
     writer's, so the resumed run's rows are appended (a new column rewrites the file with it,
-    Lightning's own rule, the values kept). Loggers other than a CSV logger keep their files anyway."""
+    Lightning's own rule, the values kept). ``resume_step``: the checkpoint's global step; rows
+    of later steps (logged before the run was stopped, after its checkpoint) are dropped, since the
+    resumed run trains and logs those steps again: each step keeps one row. Loggers other than a
+    CSV logger keep their files anyway."""
     from lightning.fabric.loggers.csv_logs import CSVLogger, _ExperimentWriter
 
     if not isinstance(logger, CSVLogger):  # Lightning's CSVLogger derives from Fabric's
@@ -164,9 +167,47 @@ def keep_metrics(logger: Any) -> None:
     if not metrics.is_file():
         return
     data = metrics.read_bytes()
+    if resume_step is not None:
+        data = _rows_before(data, resume_step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Previous log files in this directory will be deleted": not these
         writer = logger.experiment
     metrics.write_bytes(data)
     header = next(csv.reader(io.StringIO(data.decode("utf-8", errors="replace"))), [])
     writer.metrics_keys = [k for k in header if k]
+
+
+def _rows_before(data: bytes, step: int) -> bytes:
+    """metrics.csv's bytes without the rows whose ``step`` is >= ``step`` (rows without a step kept)."""
+    lines = data.decode("utf-8", errors="replace").splitlines(keepends=True)
+    if not lines:
+        return data
+    header = next(csv.reader([lines[0]]))
+    if "step" not in header:
+        return data
+    col = header.index("step")
+    kept = [lines[0]]
+    for line in lines[1:]:
+        fields = next(csv.reader([line]), [])
+        try:
+            if col < len(fields) and fields[col] != "" and int(float(fields[col])) >= step:
+                continue
+        except ValueError:
+            pass
+        kept.append(line)
+    return "".join(kept).encode("utf-8")
+
+
+def checkpoint_step(path: Optional[Path]) -> Optional[int]:
+    """The global step a Lightning checkpoint was saved at (memory-mapped: no tensor is read), or None."""
+    if path is None or not Path(path).is_file():
+        return None
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint is reported by the resume itself
+        return None
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    return int(step) if isinstance(step, int) else None
+

@@ -111,3 +111,24 @@ def test_a_resume_of_a_named_run_keeps_its_metrics(work, capsys, tmp_path):
     else:  # a column was added later: the file was rewritten with it, the values kept
         old = list(csv.DictReader(before))
         assert [{k: v for k, v in r.items() if k in old[0]} for r in rows(metrics)[: len(old)]] == old
+
+
+def test_a_resume_drops_the_rows_of_steps_it_trains_again(tmp_path):
+    """A run killed after logging steps 0-4 whose last checkpoint holds 3 steps resumes at step 3
+    and logs 3 and 4 again: the earlier rows of 3 and 4 go (one row a step), 0-2 and the rows
+    without a step (an evaluation's) stay, byte for byte."""
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lldslight.run_dir import checkpoint_step, keep_metrics
+
+    logger = CSVLogger(save_dir=str(tmp_path), name="run", version=0)
+    run = Path(logger.log_dir)
+    run.mkdir(parents=True)
+    lines = ["epoch,step,train/reward,val/em\n", ",,,0.25\n"] + [f"0,{s},0.{s},\n" for s in range(5)]
+    (run / "metrics.csv").write_text("".join(lines))
+    ckpt = run / "last.ckpt"
+    torch.save({"global_step": 3, "state_dict": {"w": torch.zeros(2)}}, ckpt)
+    assert checkpoint_step(ckpt) == 3 and checkpoint_step(run / "none.ckpt") is None
+    keep_metrics(logger, checkpoint_step(ckpt))
+    assert (run / "metrics.csv").read_text() == "".join(lines[:5])
