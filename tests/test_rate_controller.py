@@ -407,3 +407,18 @@ def test_the_preset_composes_after_a_recipe(recipe, tmp_path, monkeypatch):
     assert cb.target_kl == cli.model.update_config.target_kl == preset["model"]["update"]["target_kl"]
     assert cli.model.update_config.updates_per_rollout >= 2
     assert cli.model.optim_config.lr == yaml.safe_load((ROOT / recipe).read_text())["model"]["optim"]["lr"]
+
+
+def test_the_c3_arm_is_the_shipped_preset():
+    """C3 tests configs/stable.yaml unchanged (lab/archive/collapse/C3.md): its arm file holds the
+    same settings, and both hold the registered target, 0.00081 with the early stop at 10x."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
+    arm = yaml.safe_load((ROOT / "lab/configs/arms/stable.yaml").read_text())
+    assert preset == arm
+    assert preset["model"]["update"] == {"target_kl": 0.00081, "target_kl_factor": 10.0}
+    (controller,) = preset["trainer"]["callbacks+"]
+    assert controller["init_args"]["target_kl"] == 0.00081 and controller["init_args"]["rule"] == "log_pi"
