@@ -9,11 +9,12 @@ from lldslight.callbacks.llds import LLDS
 from lldslight.callbacks.monitor import LLDMonitor
 from lldslight.callbacks.probe import LLDProbe
 from lldslight.callbacks.rollout import SearchRollout, SearchRolloutOptions
+from lldslight.callbacks.signal import GroupSignal
 from lldslight.callbacks.summary import RunSummary
 from lldslight.callbacks.traces import TrajectoryTable
 
 __all__ = [
     "SearchRollout", "SearchRolloutOptions", "RunSummary", "LLDMonitor", "LLDS", "GradientSpikeGuard", "DynamicSampling",
     "CollapseAlarm", "AlarmEvent", "Heal", "LLDProbe", "AdaptiveRate",
-    "TrajectoryTable",
+    "TrajectoryTable", "GroupSignal",
 ]
