@@ -93,7 +93,7 @@ def test_tied_groups_of_two_with_llds_warn_once_each_and_mark_every_step(tmp_pat
 def test_the_drift_bound_is_named_too(tmp_path, monkeypatch):
     rows, messages = fit(tmp_path, monkeypatch, "model:\n  update:\n    target_kl: 0.05\n", steps=1)
     (small,) = [m for m in messages if m.startswith("rollout.group_size 2 < 4 with model.update.target_kl on")]
-    assert "the drift bound measures the KL over mini-batches of mostly tied rows" in small and "LLDS preserves" not in small
+    assert "the drift bound reads the KL of mini-batches made mostly of tied rows" in small and "LLDS preserves" not in small
     assert column(rows, "signal/small_groups") == [1.0]
 
 

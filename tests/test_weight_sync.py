@@ -67,7 +67,8 @@ def fit(tmp_path, monkeypatch, backend: str, steps: int = 2, veto: bool = False)
         return [r for r in csv.DictReader(f) if r.get("train/reward")]
 
 
-@pytest.mark.parametrize("backend", ["lldslight.rollout.RolloutEngine", "lldslight.rollout.HFGenerate"])
+@pytest.mark.parametrize("backend", ["lldslight.rollout.RolloutEngine",
+                                     pytest.param("lldslight.rollout.HFGenerate", marks=pytest.mark.slow)])  # generate: a turn per call
 def test_the_shipped_backends_follow_every_update(backend, tmp_path, monkeypatch):
     rows = fit(tmp_path, monkeypatch, backend)
     assert len(rows) == 2

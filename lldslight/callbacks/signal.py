@@ -14,8 +14,8 @@ p = 0.5, more as p moves from 0.5, an eighth at G = 4. Two situations, each warn
   LLDS preserves the likelihood of every response with A >= 0, tied ones included, so when most
   groups tie its pull towards pi_old makes up most of the update (a published LLDS port trained
   with G = 2 lost all its exact match); a drift bound (``model.update.target_kl``, AdaptiveRate)
-  measures the KL over mini-batches of mostly tied rows, which barely move, so it stops late and
-  AdaptiveRate raises the rate, and the few mixed groups take the larger steps.
+  reads the KL of mini-batches made mostly of tied rows, which barely move, so the early stop
+  comes late and AdaptiveRate keeps the rate high while the few mixed groups take the steps.
 
 It reads ``train/zero_var_groups`` from the module's reduced step metrics (the same on every
 rank), so every rank decides alike; its window is checkpointed, so a resumed run goes on with it.
@@ -113,8 +113,8 @@ class GroupSignal(pl.Callback):
             what.append("LLDS preserves every response with A >= 0, tied ones included, so its pull towards pi_old "
                         "makes up most of the update (a published LLDS port run with G = 2 lost all its exact match)")
         if any(a != "LLDS" for a in amplifiers):
-            what.append("the drift bound measures the KL over mini-batches of mostly tied rows, which barely move, so it "
-                        "stops late (and AdaptiveRate raises the rate) while the few mixed groups take the steps")
+            what.append("the drift bound reads the KL of mini-batches made mostly of tied rows, which barely move, so the "
+                        "early stop comes late and AdaptiveRate keeps the rate high while the few mixed groups take the steps")
         return (f"rollout.group_size {group_size} < {self.min_group_size} with {' and '.join(amplifiers)} on: a group of "
                 f"{group_size} ties with probability {tie_probability(group_size, 0.5):.0%} at a success rate of 0.5 and "
                 f"{tie_probability(group_size, 0.2):.0%} at 0.2, so most groups carry no GRPO signal; "
