@@ -104,6 +104,8 @@ RULES: tuple[Rule, ...] = (
     Rule("diag/*", "mean", None, "true ratios, as lld/*"),
     # -- computed from values already global (the same on every rank), not reduced again ----------------
     Rule("alarm/*", "mean", None, "from the reduced step metrics"),
+    Rule("signal/*", "mean", None, "GroupSignal: from the reduced step metrics"),
+    Rule("sync/*", "mean", None, "the weight-sync probe: the same weights, so the same value, on every rank"),
     Rule("heal/*", "mean", None, "the same decision on every rank"),
     Rule("probe/*", "mean", None, "the same probe on every rank (rank 0 writes it)"),
     Rule("val/*", "mean", None, "records gathered over ranks before the summary"),

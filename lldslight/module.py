@@ -202,9 +202,16 @@ class GRPOModule(pl.LightningModule):
         # Lightning's default bar counts batches of an epoch ("Epoch 0/-2" under max_steps): a step
         # bar replaces it (Lightning swaps a returned subclass in for its base class's instance).
         from lldslight.callbacks.progress import step_bar_for
+        from lldslight.callbacks.signal import GroupSignal
 
         bar = step_bar_for(self._trainer.progress_bar_callback) if self._trainer is not None else None
-        return [bar] if bar is not None else []
+        added: list[pl.Callback] = [bar] if bar is not None else []
+        # The group-signal guard runs in every fit (a run without GRPO signal says so); one the
+        # config names wins (Lightning would replace it with a returned instance of its type).
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        if not any(isinstance(cb, GroupSignal) for cb in callbacks):
+            added.append(GroupSignal())
+        return added
 
     def add_loss_term(self, name: str, fn: LossTerm) -> None:
         self.loss_terms[name] = fn

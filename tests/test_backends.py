@@ -174,36 +174,6 @@ def test_a_reward_signature_lldslight_cannot_fill_is_refused_before_any_rollout(
     assert RewardCaller(lambda r, g, question=None: float(question == "q"))("t", [], question="q", data_source="s", turns=()) == 1.0
 
 
-def test_the_trajectory_table_logs_per_turn_rows_to_tensorboard(protocol_model, protocol_examples, bm25, tmp_path):
-    pytest.importorskip("tensorboard")
-    import lightning.pytorch as pl
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from callbacks.trajectory_table import TrajectoryTable
-
-    model, tok = protocol_model
-    traj = RolloutEngine(tok, bm25, lambda text, gold: 0.0, _config()).generate(model, protocol_examples)
-    logger = pl.loggers.TensorBoardLogger(tmp_path, name="tb")
-    trainer = pl.Trainer(logger=logger, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False)
-
-    class Module:
-        last_rollout = traj
-        tokenizer = tok
-
-    table = TrajectoryTable(every_n_steps=1, num_samples=len(traj), out_dir=str(tmp_path / "tables"))
-    table.on_train_batch_end(trainer, Module(), None, None, 0)
-    logger.experiment.flush()
-    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
-    events.Reload()
-    text = events.Tensors("trajectories/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert text.count("\n| ") >= 2 + len(traj) + int(traj.num_actions.sum())  # both headers, a row per trajectory and per turn
-    for b in range(len(traj)):
-        for turn in traj.turns[b]:
-            if turn.query is not None:
-                assert f"| {turn.query} |" in text
-    assert text == "\n".join(table.written[0].read_text().splitlines()[2:])
-
-
 @pytest.mark.slow
 def test_a_fit_runs_with_the_reference_backend_chosen_in_yaml(tmp_path, monkeypatch):
     """configs/tiny.yaml with ``backend: lldslight.rollout.HFGenerate``: a training step and the

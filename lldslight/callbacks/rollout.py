@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 from tqdm.auto import tqdm
 
 from lldslight import evaluation
@@ -20,7 +21,8 @@ from lldslight.policy import load_tokenizer, resolve_model_dir
 from lldslight.preflight import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardCaller
-from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine
+from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine, SamplingSettings, WeightSync, eos_ids
+from lldslight.rollout.settings import check, describe
 
 
 class SearchRollout(pl.Callback):
@@ -54,6 +56,9 @@ class SearchRollout(pl.Callback):
             one cache; ``lldslight.rollout.HFGenerate`` runs transformers' ``generate`` one rollout
             and turn at a time (the reference, and the fallback for models the engine cannot serve).
             docs/generation_backends.md.
+        sync_tolerance: after every training step, check that the backend samples from the updated
+            weights (lldslight/rollout/sync.py): a RuntimeError when the policy's log-prob of a fixed
+            probe moved more than this (nats) while the backend's did not move; null turns it off.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class SearchRollout(pl.Callback):
         eval_after_fit: bool = False,
         dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
         backend: BackendFactory = RolloutEngine,
+        sync_tolerance: Optional[float] = 1e-4,
     ) -> None:
         require(eval_max_turns >= 0, "SearchRollout.eval_max_turns", ">= 0", eval_max_turns)
         require(eval_max_new_tokens is None or eval_max_new_tokens >= 1, "SearchRollout.eval_max_new_tokens", ">= 1 or null", eval_max_new_tokens)
@@ -87,7 +93,9 @@ class SearchRollout(pl.Callback):
         self.eval_before_fit = eval_before_fit
         self.eval_after_fit = eval_after_fit
         self.dynamic_sampling = dynamic_sampling
+        require(sync_tolerance is None or sync_tolerance > 0, "SearchRollout.sync_tolerance", "> 0 (nats) or null (off)", sync_tolerance)
         self.backend = backend
+        self.sync = WeightSync(sync_tolerance) if sync_tolerance is not None else None
         self._warned_short = False
         self._train_engine: Optional[GenerationBackend] = None
         self._eval_engine: Optional[GenerationBackend] = None
@@ -153,6 +161,7 @@ class SearchRollout(pl.Callback):
                 check_prompts(rows, tokenizer, self.config, shape, split)
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._check_sampling(trainer, pl_module)
         # Here, not in setup: SearchRolloutOptions may turn the option on in its own setup.
         if not self.dynamic_sampling.enabled:
             return
@@ -162,6 +171,20 @@ class SearchRollout(pl.Callback):
                 "SearchRollout.dynamic_sampling needs a datamodule with refill_prompts (SearchQADataModule) "
                 f"to draw further prompts; got {type(datamodule).__name__}"
             )
+
+    def _check_sampling(self, trainer, pl_module) -> None:
+        """Say what the training backend samples with, once, and refuse settings other than the
+        config's (lldslight/rollout/settings.py)."""
+        engine = self.train_engine(pl_module)
+        name = type(engine).__name__
+        configured = SamplingSettings.configured(self.config, pl_module.tokenizer, eos_ids(pl_module.tokenizer))
+        report = getattr(engine, "sampling_settings", None)
+        used = report() if report is not None else configured
+        if trainer.is_global_zero:
+            line = describe(used, name if report is not None else f"{name}, which does not report its settings: as configured",
+                            pl_module.policy)
+            print(line, flush=True)
+        check(used, configured, name)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         engine, _ = self._engines(pl_module)
@@ -183,6 +206,13 @@ class SearchRollout(pl.Callback):
         for key, value in counters.items():  # over ranks by metric_rules: counts add up, the breaker flag is a max
             pl_module.log(key, value, on_step=True, on_epoch=False, reduce_fx=reduction(key), batch_size=len(batch),
                           sync_dist=trainer.world_size > 1)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.sync is None:
+            return
+        # The step's updates are done: the backend must sample from the weights they left.
+        metrics = self.sync.after_step(self.train_engine(pl_module).probe_logprob, pl_module.policy, trainer.global_step - 1)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def _dynamic_batch(self, trainer, pl_module, engine: GenerationBackend, batch: Any):
         """Dynamic sampling (lldslight/dynamic_sampling.py): the trajectory and the
@@ -245,6 +275,15 @@ class SearchRollout(pl.Callback):
         return evaluation.finish(records, stage, trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.sync is not None:
+            score = getattr(self.train_engine(pl_module), "probe_logprob", None)
+            if score is None:
+                rank_zero_warn(f"SearchRollout.backend {type(self.train_engine(pl_module)).__name__} has no probe_logprob: "
+                               "whether it samples from the updated weights after each step is not checked "
+                               "(lldslight/rollout/sync.py, docs/generation_backends.md)")
+                self.sync = None
+            else:
+                self.sync.start(score, pl_module.policy, pl_module.tokenizer)
         if not self.eval_before_fit:
             return
         if trainer.global_step > 0:

@@ -12,11 +12,14 @@ token-in/token-out. One concern per file:
   the finished rollouts packed and scored into a Trajectory: what every backend shares;
 - engine.py: ``RolloutConfig`` and ``RolloutEngine``: the default backend's scheduling and sampler;
 - hf_generate.py: ``HFGenerate``, the reference backend (transformers' ``generate``, one turn per call);
-- backend.py: ``GenerationBackend``, the seam: what a backend receives and must return.
+- backend.py: ``GenerationBackend``, the seam: what a backend receives and must return;
+- settings.py: ``SamplingSettings``, what a backend samples with, said at start and checked against
+  the config (never the model's generation_config);
+- sync.py: ``WeightSync``, the check after each update that the backend samples from the new weights.
 
 Imports go one way: backend.py and hf_generate.py import engine.py and the rest; engine.py imports
-episode.py, cache.py and protocol.py; episode.py imports answer.py, layout.py and protocol.py, which
-import none of the others.
+episode.py, cache.py, protocol.py, settings.py and sync.py; episode.py imports answer.py, layout.py and
+protocol.py, which import none of the others; settings.py imports protocol.py, sync.py none of them.
 Inside the package they are relative, so an older copy of the package can be loaded beside this
 one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every public name is
 re-exported here: ``from lldslight.rollout import X`` is the import to use.
@@ -29,6 +32,8 @@ from .episode import Episode, EpisodeRules
 from .hf_generate import HFGenerate
 from .layout import Layout, pack
 from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
+from .settings import SamplingSettings
+from .sync import WeightSync
 
 __all__ = [
     "BackendFactory",
@@ -43,6 +48,8 @@ __all__ = [
     "RaggedCache",
     "RolloutConfig",
     "RolloutEngine",
+    "SamplingSettings",
+    "WeightSync",
     "answer_token_span",
     "eos_ids",
     "format_observation",

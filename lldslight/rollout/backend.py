@@ -39,7 +39,16 @@ class GenerationBackend(Protocol):
     Optionally it keeps ``stats``, a dict of seconds and counts of the last ``generate`` call:
     SearchRollout logs its ``retrieval_s`` as ``time/retrieval_s`` (0 without it). (An attribute
     is not part of the Protocol: a Protocol with one cannot be checked with issubclass, which is
-    how a ``class_path`` is checked against it.)"""
+    how a ``class_path`` is checked against it.)
+
+    Two optional methods let SearchRollout guard it (docs/guards.md), both shipped backends have
+    them, and a backend without them is run unchecked (one warning for the second):
+
+    - ``sampling_settings(greedy=None) -> SamplingSettings`` (settings.py): what it samples with,
+      printed when training starts and refused when it differs from the config;
+    - ``probe_logprob(model, ids) -> float``: the summed log-prob of ``ids[1:]`` through its own
+      sampling path with the weights it samples from now; after every training step it must
+      change when the policy's did (sync.py)."""
 
     def generate(self, model: nn.Module, examples: list[QAExample], group_size: Optional[int] = None,
                  greedy: Optional[bool] = None) -> Trajectory:

@@ -32,6 +32,7 @@ EM/F1 score one answer, the one in its last action (rewards.final_answer).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -52,6 +53,8 @@ from .cache import Decoder
 from .episode import Episode, EpisodeRules
 from .layout import Layout
 from .protocol import prompt_token_ids
+from .settings import SamplingSettings
+from .sync import summed_logprob
 
 
 @dataclass
@@ -147,6 +150,12 @@ class RolloutEngine:
         self.pad_id = self.rules.pad_id
         self.stats: dict[str, float] = {}
 
+    def sampling_settings(self, greedy: Optional[bool] = None) -> SamplingSettings:
+        """What the sampler samples with: the RolloutConfig's settings, read by :meth:`sample`
+        and the episode rules, and nothing else (no generation_config; settings.py)."""
+        settings = SamplingSettings.configured(self.config, self.tokenizer, self.eos_ids)
+        return settings if greedy is None else dataclasses.replace(settings, greedy=greedy)
+
     @property
     def eos_ids(self) -> list[int]:
         """The token ids that end a turn (the rules'); settable (a test ends turns on more ids)."""
@@ -172,6 +181,27 @@ class RolloutEngine:
         finally:
             model.train(was_training)
         return self.rules.to_trajectory(rows, next(model.parameters()).device)
+
+    @torch.no_grad()
+    def probe_logprob(self, model: nn.Module, ids: list[int]) -> float:
+        """The summed log-prob of ``ids`` (tokens 2..n) as the sampler computes it: the prefill
+        path of :meth:`generate` (sampling weights, the ragged cache's forward), raw logits. The
+        weight-sync check (sync.py) compares it before and after each update."""
+        was_training = model.training
+        model.eval()
+        try:
+            from lldslight.distributed import gathered_generate
+
+            def score() -> float:
+                decoder = Decoder(model)
+                tokens = torch.tensor([ids], dtype=torch.long, device=decoder.device)  # [1, n]
+                at = torch.arange(len(ids), device=decoder.device).unsqueeze(0)  # [1, n]
+                return summed_logprob(decoder.logits(decoder(tokens, at, len(ids))[0, :-1]), tokens[0])  # logits [n-1, V]
+
+            with sampling_weights(model):
+                return gathered_generate(model, score)
+        finally:
+            model.train(was_training)
 
     # -- decoding -------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ distribution before top-k/top-p, as the engine's.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional
 
@@ -32,6 +33,8 @@ from .engine import RolloutConfig
 from .episode import Episode, EpisodeRules
 from .layout import Layout
 from .protocol import prompt_token_ids
+from .settings import SamplingSettings, processed_scores_mismatch, without_generation_config
+from .sync import summed_logprob
 
 
 class _TurnStop(StoppingCriteria):
@@ -98,22 +101,57 @@ class HFGenerate:
                 rules.start_turn(ep)
         return ep
 
+    @torch.no_grad()
+    def probe_logprob(self, model: nn.Module, ids: list[int]) -> float:
+        """The summed log-prob of ``ids`` (tokens 2..n) through the forward ``generate`` runs
+        (sampling weights, eval mode), raw logits: the weight-sync check's probe (sync.py)."""
+        was_training = model.training
+        model.eval()
+        try:
+            with sampling_weights(model):
+                tokens = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+                return summed_logprob(model(input_ids=tokens).logits[0, :-1], tokens[0])  # logits [n-1, V]
+        finally:
+            model.train(was_training)
+
+    def sampling_settings(self, greedy: Optional[bool] = None) -> SamplingSettings:
+        """What ``generate`` is asked to sample with (settings.py); every turn checks that it did."""
+        greedy = self.config.greedy if greedy is None else greedy
+        gen = self._generation_config(self.config.max_new_tokens, greedy)
+        return dataclasses.replace(
+            SamplingSettings.configured(self.config, self.tokenizer, self.rules.eos_ids), greedy=greedy,
+            temperature=gen.temperature if not greedy else self.config.temperature,
+            top_p=gen.top_p if not greedy else self.config.top_p, top_k=gen.top_k if not greedy else self.config.top_k,
+            max_new_tokens=gen.max_new_tokens,
+        )
+
+    def _generation_config(self, budget: int, greedy: bool) -> GenerationConfig:
+        cfg = self.config
+        return GenerationConfig(
+            max_new_tokens=budget, do_sample=not greedy, temperature=None if greedy else cfg.temperature,
+            top_p=None if greedy else cfg.top_p, top_k=None if greedy else cfg.top_k,
+            eos_token_id=self.rules.eos_ids, pad_token_id=self.rules.pad_id, output_logits=True, output_scores=True,
+            return_dict_in_generate=True,
+        )
+
     def _turn(self, model: nn.Module, ep: Episode, greedy: bool) -> None:
         """Decode one turn into ``ep.turn`` / ``ep.turn_logp``."""
         cfg = self.config
         context = ep.layout.prompt + [t for ids, _ in ep.layout.segments for t in ids]
         device = next(model.parameters()).device
         ids = torch.tensor([context], dtype=torch.long, device=device)
-        # A config of its own: the model's generation_config (sampling defaults of an instruct
-        # model) must not change what the protocol asks for.
-        gen = GenerationConfig(
-            max_new_tokens=ep.budget, do_sample=not greedy, temperature=None if greedy else cfg.temperature,
-            top_p=None if greedy else cfg.top_p, top_k=None if greedy else cfg.top_k,
-            eos_token_id=self.rules.eos_ids, pad_token_id=self.rules.pad_id, output_logits=True, return_dict_in_generate=True,
-        )
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
-                             stopping_criteria=StoppingCriteriaList([_TurnStop(self.rules, ep, len(context))]))
+        # A config of its own, and nothing for generate to fill in from the model's generation_config
+        # (an instruct model's sampling defaults must not change what the protocol asks for).
+        with without_generation_config(model):
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=self._generation_config(ep.budget, greedy),
+                                 stopping_criteria=StoppingCriteriaList([_TurnStop(self.rules, ep, len(context))]))
         self.stats["generate_calls"] += 1
+        # What generate sampled the first token from, against the settings: a logits processor the
+        # settings do not name (from a generation_config, or a transformers default) fails here.
+        wrong = processed_scores_mismatch(out.logits[0][0], out.scores[0][0], self.sampling_settings(greedy))
+        if wrong is not None:
+            raise RuntimeError(f"HFGenerate: transformers' generate did not sample as configured: {wrong}. Sampled "
+                               f"rollouts and their log-probs would not be the configured policy's ({self.sampling_settings(greedy).text()})")
         turn = out.sequences[0, len(context):].tolist()
         # The raw logits of each step, before temperature and top-k/top-p: log-probs as the engine's
         # sampler reports them (greedy: of the unscaled distribution).
