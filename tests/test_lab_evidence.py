@@ -579,3 +579,38 @@ def test_c2_recomputed_independently(c2_runs) -> None:
     assert f"last-100 reward {diff['5e-4']:+.3f} and {diff['1e-3']:+.3f} vs GRPO at the best fixed rate" in readme
     assert f"(95% t intervals {interval['5e-4']}, {interval['1e-3']})" in readme and readme.endswith("| not met: held, but below the best rate |")
     assert "0 of 10 collapsed (plain GRPO 10 of 10)" in readme
+
+
+REAL_LM = LAB / "real_lm_A"
+
+
+def _window_mean(run: Path, key: str, first: int, last: int) -> float:
+    values = _by_step(run, key)
+    window = [values[s] for s in range(first, last) if s in values and values[s] == values[s]]  # NaN left out
+    return statistics.mean(window)
+
+
+@pytest.mark.skipif(not REAL_LM.is_dir(), reason="Stage A is not archived")
+def test_real_lm_stage_a_figures_recomputed_independently() -> None:
+    """docs/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
+    registered rule (hold 30, the csv module's own implementation above), its first-20 and last-20
+    means, the early drift and the likelihoods it quotes."""
+    text = page("docs", "collapse_lab.md")
+    runs = {(arm, seed): REAL_LM / f"grpo_{arm}" / f"seed{seed}" for arm in ("2e-3", "5e-4") for seed in (1, 2)}
+    for (arm, seed), run in runs.items():
+        assert len(_by_step(run, "train/reward")) == 100, f"{run}: not a complete 100-step run"
+        start = _collapse_start(run, hold=30)
+        cells = [str(start) if start is not None else "none"]
+        for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
+            cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
+        assert f"| {arm}, seed {seed} | " + " | ".join(cells) + " |" in text, (arm, seed, cells)
+    early = {k: max(_by_step(r, "drift/kl_k3_last")[s] for s in range(5)) for k, r in runs.items()}
+    assert (f"reached {early[('2e-3', 1)]:.3f} and {early[('2e-3', 2)]:.3f} within the first five steps" in text
+            and f"({early[('5e-4', 1)]:.3f}, {early[('5e-4', 2)]:.3f})" in text)
+    pos = [f"{_window_mean(runs[('5e-4', s)], 'lld/logp_pos', 0, 20):.2f} -> {_window_mean(runs[('5e-4', s)], 'lld/logp_pos', 80, 100):.2f}"
+           for s in (1, 2)]
+    neg = [f"{_window_mean(runs[('5e-4', s)], 'lld/logp_neg', 0, 20):.2f} -> {_window_mean(runs[('5e-4', s)], 'lld/logp_neg', 80, 100):.2f}"
+           for s in (1, 2)]
+    assert f"steps: {pos[0]} and {pos[1]})" in text and f"seed 1 ({neg[0]})" in text and f"seed 2 ({neg[1]})" in text
+    shared = [_window_mean(runs[("5e-4", s)], "lld/neg_shared_share", a, a + 20) for s in (1, 2) for a in (0, 80)]
+    assert f"with {min(shared):.2f}-{max(shared):.2f} of the negative" in text
