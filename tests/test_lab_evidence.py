@@ -614,3 +614,9 @@ def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     assert f"steps: {pos[0]} and {pos[1]})" in text and f"seed 1 ({neg[0]})" in text and f"seed 2 ({neg[1]})" in text
     shared = [_window_mean(runs[("5e-4", s)], "lld/neg_shared_share", a, a + 20) for s in (1, 2) for a in (0, 80)]
     assert f"with {min(shared):.2f}-{max(shared):.2f} of the negative" in text
+    collapsed = {arm: sum(_collapse_start(runs[(arm, s)], hold=30) is not None for s in (1, 2)) for arm in ("2e-3", "5e-4")}
+    steps = sorted({_collapse_start(runs[("2e-3", s)], hold=30) for s in (1, 2)})
+    row = _readme_row("GRPO collapses on a real LM too")
+    assert f"at 2e-3, {collapsed['2e-3']} of 2 seeds stopped answering" in row and f"(collapse step {steps[0]})" in row and len(steps) == 1
+    assert f"at 5e-4, {collapsed['5e-4']} of 2 collapsed" in row
+
