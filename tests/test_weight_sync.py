@@ -91,3 +91,26 @@ def test_a_step_whose_updates_were_all_vetoed_is_not_judged(tmp_path, monkeypatc
     assert [float(r["train/vetoed_updates"]) for r in rows] == [2.0, 2.0]  # both updates of both steps
     assert [float(r["sync/policy_delta"]) for r in rows] == [0.0, 0.0]
     assert [float(r["sync/backend_delta"]) for r in rows] == [0.0, 0.0]
+
+
+def test_the_probe_runs_under_the_policys_precision():
+    """bf16-mixed (the demo's precision where the CPU has bf16): a bf16 base under an fp32 adapter.
+    The probe's plain forward runs under the policy's autocast, as every trainer and sampler
+    forward does, and agrees with an fp32 copy's (it failed with a dtype mismatch)."""
+    import dataclasses
+
+    from lldslight.policy import load_policy
+    from lldslight.rollout.sync import policy_logprob, probe_ids
+    from tests.conftest import tiny_policy_config
+
+    model, tokenizer = load_policy(dataclasses.replace(tiny_policy_config(), precision="bf16-mixed", dtype=None))
+    ids = probe_ids(tokenizer)
+    value = policy_logprob(model, ids)
+    assert math.isfinite(value) and value < 0
+    import torch
+
+    full = copy.deepcopy(model).float()  # the same weights in fp32, run without autocast
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        logp = torch.log_softmax(full(input_ids=tokens).logits[0, :-1].double(), -1).gather(-1, tokens[0, 1:, None]).sum()
+    assert abs(float(logp) - value) <= 0.05 * abs(value)  # bf16 rounding apart

@@ -42,12 +42,17 @@ def summed_logprob(logits: Tensor, tokens: Tensor) -> float:
 def policy_logprob(model: nn.Module, ids: list[int]) -> float:
     """The probe's summed log-prob (tokens 2..n) under the policy's plain forward, in eval mode
     (no dropout): the weights as the trainer holds them."""
+    from lldslight.policy import precision_autocast
+
     was_training = model.training
     model.eval()
     try:
         device = next(model.parameters()).device
         tokens = torch.tensor([ids], device=device)
-        return summed_logprob(model(input_ids=tokens).logits[0, :-1], tokens[0])  # logits [n-1, V]
+        # the policy's precision, as every trainer and sampler forward (a bf16 base under an fp32 adapter needs it)
+        with precision_autocast(model):
+            logits = model(input_ids=tokens).logits[0, :-1]  # [n-1, V]
+        return summed_logprob(logits, tokens[0])
     finally:
         model.train(was_training)
 
