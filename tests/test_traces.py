@@ -33,7 +33,9 @@ pytest.importorskip("wandb")
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
-    """W&B offline, quiet, and writing nothing outside ``tmp_path``; the run finished afterwards."""
+    """W&B offline, quiet, and writing nothing outside ``tmp_path``; afterwards the run finished and
+    wandb torn down (its settings are read once per process: the next test's directories would
+    otherwise be this one's)."""
     import wandb
 
     for name, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_CACHE_DIR", "wandb_cache"), ("WANDB_CONFIG_DIR", "wandb_config"),
@@ -43,6 +45,7 @@ def offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     yield
     wandb.finish()
+    wandb.teardown()
 
 
 def tensorboard_tables(log_dir, key: str = "trajectories") -> dict[int, list[dict[str, str]]]:
