@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import TINY_DIMS
+from lldslight import frozen_prefix, update
 from lldslight.errors import ConfigError
 from lldslight.logprobs import ChunkedLogprob, token_logprobs
 from lldslight.policy import Bf16Support, LoRAConfig, PolicyConfig, load_policy, resolve_precision, sampling_weights
@@ -394,7 +395,17 @@ def test_mismatch_metrics_equal_an_independent_computation(precision, bm25, prot
     sub = traj.select(first)
     module.policy.train()
     with torch.no_grad():  # the weights that sampled, before any update: the trainer's log-probs
-        trainer_logp, _ = token_logprobs(module.policy, sub.input_ids, sub.attention_mask, sub.loss_mask)
+        # as the update computes them: a group's shared prompt once (shared_prefix.py), the frozen
+        # bottom layers from one pass (frozen_prefix.py); under bf16 the plain path's rounding differs
+        # by ~1e-4 relative on a CPU whose matmul blocking depends on the row count (AMX)
+        start, _ = frozen_prefix.start_layer(module.policy)
+        boundary = None
+        if start is not None:
+            hidden = frozen_prefix.compute(module.policy, traj.input_ids, traj.attention_mask, traj.group_id, start,
+                                           update.micro_batches(module, traj, torch.arange(len(traj))))
+            boundary = frozen_prefix.Boundary(hidden[first][:, : sub.input_ids.shape[1]], start)
+        trainer_logp, _ = token_logprobs(module.policy, sub.input_ids, sub.attention_mask, sub.loss_mask, groups=sub.group_id,
+                                         boundary=boundary)
     want_abs, want_kl = _independent_mismatch(sub.sample_logp, trainer_logp, sub.loss_mask)
     _fit_one_step(module, traj)
     got = module.last_step_metrics
