@@ -59,5 +59,6 @@ def test_old_path_detector():
 def test_nothing_here_imports_the_old_paths():
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     shims = {f"lldslight/{m}.py" for m in MOVED}
-    found = {f: old_path_imports((ROOT / f).read_text()) for f in files if f not in shims and (ROOT / f).is_file()}
+    this = "tests/test_science_paths.py"  # imports the old paths on purpose: the shims' own test
+    found = {f: old_path_imports((ROOT / f).read_text()) for f in files if f not in shims | {this} and (ROOT / f).is_file()}
     assert not {f: i for f, i in found.items() if i}
