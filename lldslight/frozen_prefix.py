@@ -106,8 +106,7 @@ def reference_shares(policy: nn.Module, reference: Optional[nn.Module], start: i
     if theirs is None or len(theirs[1]) != len(layers):
         return False
     _, ref_layers, ref_embed, _ = theirs
-    pairs = zip([embed, *layers[:start]], [ref_embed, *ref_layers[:start]])
-    for a, b in pairs:
+    for a, b in zip(lower, [ref_embed, *ref_layers[:start]]):
         pa, pb = list(a.parameters()), list(b.parameters())
         if len(pa) != len(pb) or not all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(pa, pb)):
             return False
@@ -135,22 +134,12 @@ def layers_between(model: nn.Module, start: int, stop: Optional[int] = None) -> 
         decoder.norm = norm
 
 
-def boundary_bytes(traj_shape: torch.Size, hidden_size: int, dtype: torch.dtype) -> int:
-    B, T = traj_shape
-    return B * T * hidden_size * torch.empty((), dtype=dtype).element_size()
-
-
-def hidden_size(model: nn.Module) -> int:
-    parts = _parts(model)
-    assert parts is not None
-    return int(parts[2].weight.shape[-1])
-
-
-def hidden_dtype(model: nn.Module) -> torch.dtype:
-    """The residual stream's dtype: the embedding's, at least fp32 under autocast (what the boundary is stored in)."""
-    parts = _parts(model)
-    assert parts is not None
-    return torch.promote_types(parts[2].weight.dtype, torch.float32) if parts[2].weight.dtype != torch.float64 else torch.float64
+def boundary_bytes(model: nn.Module, shape: torch.Size) -> int:
+    """An upper bound of the stored boundary's size for rows x tokens ``shape``: hidden size x the
+    residual stream's dtype (the embedding's, at least fp32: autocast keeps the residual in fp32)."""
+    embed = _parts(model)[2]  # type: ignore[index]
+    dtype = torch.promote_types(embed.weight.dtype, torch.float32)
+    return shape.numel() * int(embed.weight.shape[-1]) * torch.empty((), dtype=dtype).element_size()
 
 
 @torch.no_grad()

@@ -291,7 +291,7 @@ class GRPOModule(pl.LightningModule):
                 frozen_prefix.say_once(why, f"model.update.frozen_prefix: every pass runs the whole decoder ({why})")
             return traj
         budget = self.update_config.frozen_prefix_max_mb * 2**20
-        size = frozen_prefix.boundary_bytes(traj.input_ids.shape, frozen_prefix.hidden_size(self.policy), frozen_prefix.hidden_dtype(self.policy))
+        size = frozen_prefix.boundary_bytes(self.policy, traj.input_ids.shape)
         if size > budget:
             frozen_prefix.say_once("budget", f"model.update.frozen_prefix: a rollout batch's layer-{start} hidden states take "
                                    f"{size / 2**20:.0f} MiB, over frozen_prefix_max_mb = {self.update_config.frozen_prefix_max_mb:g}: "
