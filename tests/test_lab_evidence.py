@@ -594,9 +594,10 @@ def _window_mean(run: Path, key: str, first: int, last: int) -> float:
 def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     """docs/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
     registered rule (hold 30, the csv module's own implementation above), its first-20 and last-20
-    means, the early drift and the likelihoods it quotes."""
+    means, the early drift and the likelihoods it quotes; round 1's verdict by the registered table."""
     text = page("docs", "collapse_lab.md")
-    runs = {(arm, seed): REAL_LM / f"grpo_{arm}" / f"seed{seed}" for arm in ("2e-3", "5e-4") for seed in (1, 2)}
+    seeds = (1, 2, 3)
+    runs = {(arm, seed): REAL_LM / f"grpo_{arm}" / f"seed{seed}" for arm in ("2e-3", "5e-4") for seed in seeds}
     for (arm, seed), run in runs.items():
         assert len(_by_step(run, "train/reward")) == 100, f"{run}: not a complete 100-step run"
         start = _collapse_start(run, hold=30)
@@ -605,18 +606,22 @@ def test_real_lm_stage_a_figures_recomputed_independently() -> None:
             cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
         assert f"| {arm}, seed {seed} | " + " | ".join(cells) + " |" in text, (arm, seed, cells)
     early = {k: max(_by_step(r, "drift/kl_k3_last")[s] for s in range(5)) for k, r in runs.items()}
-    assert (f"reached {early[('2e-3', 1)]:.3f} and {early[('2e-3', 2)]:.3f} within the first five steps" in text
-            and f"({early[('5e-4', 1)]:.3f}, {early[('5e-4', 2)]:.3f})" in text)
-    pos = [f"{_window_mean(runs[('5e-4', s)], 'lld/logp_pos', 0, 20):.2f} -> {_window_mean(runs[('5e-4', s)], 'lld/logp_pos', 80, 100):.2f}"
-           for s in (1, 2)]
-    neg = [f"{_window_mean(runs[('5e-4', s)], 'lld/logp_neg', 0, 20):.2f} -> {_window_mean(runs[('5e-4', s)], 'lld/logp_neg', 80, 100):.2f}"
-           for s in (1, 2)]
-    assert f"steps: {pos[0]} and {pos[1]})" in text and f"seed 1 ({neg[0]})" in text and f"seed 2 ({neg[1]})" in text
-    shared = [_window_mean(runs[("5e-4", s)], "lld/neg_shared_share", a, a + 20) for s in (1, 2) for a in (0, 80)]
+    assert (f"reached {early[('2e-3', 1)]:.3f}, {early[('2e-3', 2)]:.3f} and {early[('2e-3', 3)]:.3f} within the first five steps" in text
+            and f"({early[('5e-4', 1)]:.3f}, {early[('5e-4', 2)]:.3f}, {early[('5e-4', 3)]:.3f})" in text)
+    window = {(s, key): f"{_window_mean(runs[('5e-4', s)], key, 0, 20):.2f} -> {_window_mean(runs[('5e-4', s)], key, 80, 100):.2f}"
+              for s in seeds for key in ("lld/logp_pos", "lld/logp_neg")}
+    pos = [window[(s, "lld/logp_pos")] for s in seeds]
+    assert f"steps: {pos[0]}, {pos[1]} and {pos[2]})" in text
+    assert (f"seed 1 ({window[(1, 'lld/logp_neg')]})" in text and f"seed 3 ({window[(3, 'lld/logp_neg')]})" in text
+            and f"seed 2 ({window[(2, 'lld/logp_neg')]})" in text)
+    shared = [_window_mean(runs[("5e-4", s)], "lld/neg_shared_share", a, a + 20) for s in seeds for a in (0, 80)]
     assert f"with {min(shared):.2f}-{max(shared):.2f} of the negative" in text
-    collapsed = {arm: sum(_collapse_start(runs[(arm, s)], hold=30) is not None for s in (1, 2)) for arm in ("2e-3", "5e-4")}
-    steps = sorted({_collapse_start(runs[("2e-3", s)], hold=30) for s in (1, 2)})
+    tied = [_window_mean(runs[("5e-4", s)], "train/zero_var_groups", a, a + 20) for s in seeds for a in (0, 80)]
+    assert f"({min(tied):.2f}-{max(tied):.2f} with G = 4)" in text
+    collapsed = {arm: sum(_collapse_start(runs[(arm, s)], hold=30) is not None for s in seeds) for arm in ("2e-3", "5e-4")}
+    assert collapsed == {"2e-3": 3, "5e-4": 0}  # the registered table: >= 2 of 3 collapses, 0 of 3 holds
+    assert "**2e-3 collapses (3 of 3), 5e-4 holds (0 of 3)**, so round 2 is GRPO at 1e-3" in text
+    steps = sorted({_collapse_start(runs[("2e-3", s)], hold=30) for s in seeds})
     row = _readme_row("GRPO collapses on a real LM too")
-    assert f"at 2e-3, {collapsed['2e-3']} of 2 seeds stopped answering" in row and f"(collapse step {steps[0]})" in row and len(steps) == 1
-    assert f"at 5e-4, {collapsed['5e-4']} of 2 collapsed" in row
-
+    assert f"at 2e-3, {collapsed['2e-3']} of 3 seeds stopped answering" in row and f"(collapse step {steps[0]})" in row and len(steps) == 1
+    assert f"at 5e-4, {collapsed['5e-4']} of 3 collapsed" in row
