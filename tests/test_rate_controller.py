@@ -422,3 +422,23 @@ def test_the_c3_arm_is_the_shipped_preset():
     assert preset["model"]["update"] == {"target_kl": 0.00081, "target_kl_factor": 10.0}
     (controller,) = preset["trainer"]["callbacks+"]
     assert controller["init_args"]["target_kl"] == 0.00081 and controller["init_args"]["rule"] == "log_pi"
+
+
+def test_the_real_model_stage_b_arms_are_the_shipped_preset_and_c1s_llds():
+    """Stage B on the real model (lab/archive/collapse/PREREGISTRATION_real_lm_B.md) tests
+    configs/stable.yaml unchanged with its ceiling at the set's rate, and C1's LLDS arm at that rate:
+    each arm file is the GRPO arm's rate plus exactly the preset's (or C1's LLDS arm's) settings."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
+    llds = yaml.safe_load((ROOT / "lab/configs/arms/llds.yaml").read_text())
+    for rate in ("1e-3", "2e-3"):
+        grpo = yaml.safe_load((ROOT / f"lab/configs/arms_real/grpo_{rate}.yaml").read_text())
+        assert grpo["model"]["optim"]["lr"] == float(rate)
+        stable = yaml.safe_load((ROOT / f"lab/configs/arms_real/stable_{rate}.yaml").read_text())
+        assert stable["model"].pop("optim") == grpo["model"]["optim"]
+        assert stable == preset
+        with_llds = yaml.safe_load((ROOT / f"lab/configs/arms_real/llds_{rate}.yaml").read_text())
+        assert with_llds.pop("model") == grpo["model"] and with_llds == llds
