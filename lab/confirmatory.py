@@ -1,8 +1,11 @@
-"""The registered analyses of lab/archive/collapse/CONFIRMATORY.md: C1 (does LLDS prevent the collapse
-at 5e-4?) and C2's goal (does a drift bound keep every starting rate from collapsing?).
+"""The registered analyses of lab/archive/collapse/CONFIRMATORY.md and C3.md: C1 (does LLDS prevent the
+collapse at 5e-4?), C2's goal (does a drift bound keep every starting rate from collapsing?) and C3's
+(does the preset match the best fixed rate without a rate search?).
 
     python lab/confirmatory.py                 # C1: prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
     python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json (and, complete, c2.png)
+    python lab/confirmatory.py --c3            # C3: writes lab/archive/collapse/c3.json
+    python lab/confirmatory.py --controller lab/archive/collapse/c3_pilot_1e-3   # the controller's figures per run
 
 Everything is recomputed from the archived per-step metrics with the registered rule
 (``lldslight.science.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
@@ -29,6 +32,18 @@ in 0 of its 5 seeds (20-24), and (ii) the mean paired difference in last-100 rew
 GRPO at 2.5e-4, is >= 0 (reported with its 95% t interval, 4 degrees of freedom); met only if both
 hold at both rates. Beside it: plain GRPO at the same rate (at 5e-4, C1's GRPO runs) with a
 descriptive one-sided Fisher p, and the bound arms' rate, updates per batch and drift.
+
+C3 (C3.md), from the sets c3_1e-3 (the preset, arm ``stable``, seeds 30-39), c3_5e-4 and c3_2e-3 (seeds
+30-34) and c3_2.5e-4 (plain GRPO, seeds 30-39): (i) 0 collapses by H (hold 30) in every preset arm and
+(ii) the primary, the mean paired difference in last-100 reward, preset from 1e-3 minus GRPO at 2.5e-4,
+>= 0 with its 95% t interval's (9 df) lower bound above -0.03; met only if both hold. Beside it
+(descriptive): the paired differences from 5e-4 and 2e-3 (4 df), GRPO's collapses at 2.5e-4, per preset
+run the rate's range, the shares of steps held and below 2.5e-4, the updates applied, the stopped steps
+and the median drift over the steps with signal; the optional preset + LLDS arm (c3_llds_1e-3, arm
+``stable`` composed with arms/llds.yaml); the demo transfer check (lab/archive/demo/c3_transfer/<arm>/
+seed<S>/summary.json, arms shipped, stable_5e-4, stable_2e-3, seeds 3-5: dev EM changes and paired
+differences with 2-df t intervals). Until all 30 registered runs are archived the report holds counts
+only: "partial: no test computed", as registered.
 """
 from __future__ import annotations
 
@@ -42,8 +57,12 @@ from lldslight.science import collapse as C
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median
+    from .demo_seeds import T975
+    from .drift_targets import has_signal
 else:  # python lab/confirmatory.py: the script's own folder is on sys.path
     from collapse import _median
+    from demo_seeds import T975
+    from drift_targets import has_signal
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "lab" / "archive" / "collapse"
@@ -58,7 +77,24 @@ C2_SEEDS = tuple(range(20, 25))
 # C2's archives per (arm, starting rate), as registered: GRPO at 5e-4 is C1's GRPO column.
 C2_SETS = {("bound", "5e-4"): ("c2_5e-4", "bound"), ("bound", "1e-3"): ("c2_1e-3", "bound"),
            ("grpo", "5e-4"): ("c1_5e-4", "grpo"), ("grpo", "1e-3"): ("c2_1e-3", "grpo"), ("grpo", "2.5e-4"): ("c2_2.5e-4", "grpo")}
-T975_DF4 = 2.776  # Student's t, two-sided 95%, 4 degrees of freedom (tables; scipy is not needed for one number)
+# C3's archives (C3.md), (arm, starting rate) -> (set folder, arm folder, seeds): the preset (arm file
+# ``stable``) from three starting rates and plain GRPO at the best fixed rate. Every run of these is
+# registered; the goal is computed only when all 30 are archived.
+C3_SEEDS = tuple(range(30, 40))
+C3_SETS = {("stable", "1e-3"): ("c3_1e-3", "stable", C3_SEEDS), ("grpo", "2.5e-4"): ("c3_2.5e-4", "grpo", C3_SEEDS),
+           ("stable", "5e-4"): ("c3_5e-4", "stable", C3_SEEDS[:5]), ("stable", "2e-3"): ("c3_2e-3", "stable", C3_SEEDS[:5])}
+# The optional arm (the preset + LLDS from 1e-3, seeds 30-34; descriptive only): the runner names a run
+# by its arm file, so this set runs ``--arms stable --config lab/configs/arms/llds.yaml`` under its own name.
+C3_LLDS = {("stable+llds", "1e-3"): ("c3_llds_1e-3", "stable", C3_SEEDS[:5])}
+C3_LLDS_CONFIG = "lab/configs/arms/llds.yaml"
+C3_PRIMARY, C3_CONTROL = ("stable", "1e-3"), ("grpo", "2.5e-4")
+C3_FLOOR = -0.03  # (ii): the primary interval's lower bound must be above this
+C3_SAFE_RATE = 2.5e-4  # the best fixed rate: the share of a preset run's steps below it is reported
+# The demo transfer check (C3.md, "Transfer check on the demo"): per arm, seed<S>/summary.json as
+# scripts/demo.sh's RunSummary writes it; its dev_em_change is the outcome (dev EM after minus before).
+C3_DEMO = ROOT / "lab" / "archive" / "demo" / "c3_transfer"
+C3_DEMO_ARMS = ("shipped", "stable_5e-4", "stable_2e-3")  # (a), (b), (c)
+C3_DEMO_SEEDS = (3, 4, 5)
 
 
 def training_rows(run: Path):
@@ -267,6 +303,16 @@ def text(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_difference(treated: dict[int, dict], control: dict[int, dict], seeds) -> dict:
+    """The mean paired difference in last-100 reward, treated minus control over ``seeds``, with its
+    95% t interval (len(seeds) - 1 degrees of freedom); a run without reward rows counts 0."""
+    seeds = list(seeds)
+    diffs = [(treated[s]["final_reward"] or 0.0) - (control[s]["final_reward"] or 0.0) for s in seeds]
+    mean = statistics.fmean(diffs)
+    half = T975[len(diffs) - 1] * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return {"mean_diff": mean, "low": mean - half, "high": mean + half, "n": len(diffs), "df": len(diffs) - 1}
+
+
 def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
     """C2's registered goal from complete outcomes: (arm, rate) -> seed -> run_outcome."""
     seeds = sorted(outcomes[("grpo", "2.5e-4")])
@@ -274,13 +320,11 @@ def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
     rates = {}
     for rate in ("5e-4", "1e-3"):
         bound, plain = outcomes[("bound", rate)], outcomes[("grpo", rate)]
-        diffs = [(bound[s]["final_reward"] or 0.0) - (safe[s]["final_reward"] or 0.0) for s in seeds]
-        mean = statistics.fmean(diffs)
-        half = T975_DF4 * statistics.stdev(diffs) / len(diffs) ** 0.5
+        diff = paired_difference(bound, safe, seeds)
         collapsed = sum(bound[s]["collapsed"] for s in seeds)
         rates[rate] = {
             "bound_collapsed": collapsed, "n": len(seeds), "held_all": collapsed == 0,
-            "reward_vs_2.5e-4": {"mean_diff": mean, "low": mean - half, "high": mean + half, "at_least_safe_rate": mean >= 0},
+            "reward_vs_2.5e-4": {k: diff[k] for k in ("mean_diff", "low", "high")} | {"at_least_safe_rate": diff["mean_diff"] >= 0},
             "grpo_collapsed": sum(plain[s]["collapsed"] for s in seeds),
             "fisher_p_grpo_vs_bound": C.fisher_one_sided(sum(plain[s]["collapsed"] for s in seeds), len(seeds), collapsed, len(seeds)),
             **{f"bound_{name}": _median([bound[s][key] for s in seeds])
@@ -291,32 +335,49 @@ def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
             "safe_rate_collapsed": sum(safe[s]["collapsed"] for s in seeds)}
 
 
-def c2_report(lab: Path = LAB) -> dict:
-    """C2's runs from their archives, each with its machine kind (as registered: the goal's pairs,
-    bound arm against GRPO at 2.5e-4, stay within a machine; the GRPO-at-5e-4 column may not)."""
+def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ...]]], more=None) -> tuple[dict, dict, list[str], dict]:
+    """The archived runs of ``sets`` ((arm, rate) -> (set folder, arm folder, seeds)): per key, seed ->
+    run_outcome (plus ``more(train)`` when given) with its CPU minutes; seed -> machine kind; the runs
+    not readable yet; each set's recorded meta (empty when the set has no collapse.json)."""
     outcomes: dict[tuple[str, str], dict[int, dict]] = {}
     kinds: dict[tuple[str, str], dict[int, list]] = {}
+    metas: dict[str, dict] = {}
     missing = []
-    for key, (name, arm) in C2_SETS.items():
+    for key, (name, arm, seeds) in sets.items():
         outcomes[key], kinds[key] = {}, {}
         report_path = lab / name / "collapse.json"
-        meta_runs = json.loads(report_path.read_text())["meta"].get("runs", {}) if report_path.is_file() else {}
+        if name not in metas:
+            metas[name] = json.loads(report_path.read_text())["meta"] if report_path.is_file() else {}
+        meta_runs = metas[name].get("runs", {})
         kind_of = machine_kinds(meta_runs)
-        for seed in C2_SEEDS:
+        for seed in seeds:
             run = lab / name / arm / f"seed{seed}"
             gap = not_readable(run, f"{arm}/seed{seed}", kind_of, "set", prefix=f"{name}/")
             if gap:
                 missing.append(gap)
-            else:
-                outcomes[key][seed] = run_outcome(training_rows(run), HOLD)
-                kinds[key][seed] = list(map(str, kind_of[f"{arm}/seed{seed}"]))
-                cpu_s = meta_runs[f"{arm}/seed{seed}"].get("cpu_s")  # the run's process CPU time (registered: reported per run)
-                outcomes[key][seed]["cpu_min"] = None if cpu_s is None else cpu_s / 60
+                continue
+            train = training_rows(run)
+            outcomes[key][seed] = {**run_outcome(train, HOLD), **(more(train) if more else {})}
+            kinds[key][seed] = list(map(str, kind_of[f"{arm}/seed{seed}"]))
+            cpu_s = meta_runs[f"{arm}/seed{seed}"].get("cpu_s")  # the run's process CPU time (registered: reported per run)
+            outcomes[key][seed]["cpu_min"] = None if cpu_s is None else cpu_s / 60
+    return outcomes, kinds, missing, metas
+
+
+def pairs_across_machines(kinds: dict[tuple[str, str], dict[int, list]], control: tuple[str, str], treated) -> list[int]:
+    """Seeds whose ``treated`` runs and ``control`` run ran on different machine kinds (the registrations
+    pair a seed's arms on one machine)."""
+    return sorted({s for key in treated for s, k in kinds[key].items() if s in kinds[control] and k != kinds[control][s]})
+
+
+def c2_report(lab: Path = LAB) -> dict:
+    """C2's runs from their archives, each with its machine kind (as registered: the goal's pairs,
+    bound arm against GRPO at 2.5e-4, stay within a machine; the GRPO-at-5e-4 column may not)."""
+    outcomes, kinds, missing, _ = collect(lab, {key: (name, arm, C2_SEEDS) for key, (name, arm) in C2_SETS.items()})
     runs = [{"arm": a, "rate": r, "seed": s, **o, "machine_kind": kinds[(a, r)][s]}
             for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
     # the goal's pairs: a seed's bound runs and its GRPO-at-2.5e-4 run on one machine kind
-    across = sorted({s for (a, r), by_seed in kinds.items() if a == "bound" for s, k in by_seed.items()
-                     if s in kinds[("grpo", "2.5e-4")] and k != kinds[("grpo", "2.5e-4")][s]})
+    across = pairs_across_machines(kinds, ("grpo", "2.5e-4"), [k for k in kinds if k[0] == "bound"])
     common = {"runs": runs, "goal_pairs_across_machines": across}
     if missing:
         return {"status": "partial", "archived": len(runs), "registered": len(C2_SETS) * len(C2_SEEDS), "missing": missing,
@@ -390,6 +451,210 @@ def c2_figure(lab: Path, out: Path) -> dict:
     return drawn
 
 
+# --------------------------------------------------------------------------- C3 (C3.md)
+
+
+def controller_figures(train) -> dict:
+    """What C3 reports of one preset run (its training rows up to H): the rate's range and median
+    (``train/lr``), the share of steps below the best fixed rate, the share of steps the controller
+    held (``drift/rate_held`` counts them cumulatively: its last value over the steps), the mean
+    updates applied (``drift/updates``), the steps the early stop cut (``drift/stopped``), the median
+    ``drift/kl_k3_last`` over the steps with signal and their share. None where a metric is not logged."""
+    n = len(train)
+    lr = [v for v in C.column(train, "train/lr") or [] if C.finite(v)]
+    held = [v for v in C.column(train, "drift/rate_held") or [] if C.finite(v)]
+    updates = [v for v in C.column(train, "drift/updates") or [] if C.finite(v)]
+    stopped = C.column(train, "drift/stopped")
+    kl = C.column(train, "drift/kl_k3_last")
+    signal = has_signal(train) if n and kl is not None and "drift/signal" in train.columns else None
+    kl_signal = [k for k, s in zip(kl, signal) if s and C.finite(k)] if signal is not None else []
+    return {"lr_min": min(lr) if lr else None, "lr_median": _median(lr), "lr_max": max(lr) if lr else None,
+            "below_safe_share": sum(v < C3_SAFE_RATE for v in lr) / len(lr) if lr else None,
+            "held_share": held[-1] / n if held else None,
+            "updates_mean": statistics.fmean(updates) if updates else None,
+            "stopped_steps": None if stopped is None else int(sum(v == 1.0 for v in stopped)),
+            "signal_share": None if signal is None else sum(signal) / n,
+            "kl_signal_median": _median(kl_signal)}
+
+
+def c3_checks(metas: dict[str, dict], sets: dict) -> list[str]:
+    """How the archived C3 sets differ from the registration (their rate, horizon, the LLDS arm's
+    config), from each set's recorded meta; empty when they match (or are not started)."""
+    problems = []
+    for (arm, rate), (name, _, _) in sets.items():
+        meta = metas.get(name) or {}
+        if not meta:
+            continue
+        recorded = set_rate(meta)
+        if recorded is not None and rate_text(recorded) != rate:
+            problems.append(f"{name}: lr {rate_text(recorded)}, registered {rate}")
+        if meta.get("horizon") not in (None, HORIZON):
+            problems.append(f"{name}: horizon {meta['horizon']}, registered {HORIZON}")
+        if arm == "stable+llds" and C3_LLDS_CONFIG not in (meta.get("extra_configs") or []):
+            problems.append(f"{name}: no --config {C3_LLDS_CONFIG} (the LLDS arm composes it after the preset)")
+    return problems
+
+
+def c3_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
+    """C3's registered goal from complete outcomes ((arm, rate) -> seed -> outcome): (i) no preset run
+    collapsed by H, (ii) the primary: last-100 reward, preset from 1e-3 minus GRPO at 2.5e-4 over seeds
+    30-39, mean >= 0 with the 95% t interval's lower bound above -0.03; met only if both hold. Beside
+    it (descriptive): the other starts' paired differences (4 df), GRPO's collapses at 2.5e-4."""
+    control = outcomes[C3_CONTROL]
+    preset = {rate: outcomes[(arm, rate)] for (arm, rate) in C3_SETS if arm == "stable"}
+    collapsed = {rate: {"collapsed": sum(o["collapsed"] for o in runs.values()), "n": len(runs)} for rate, runs in preset.items()}
+    held_all = all(c["collapsed"] == 0 for c in collapsed.values())
+    primary = paired_difference(outcomes[C3_PRIMARY], control, C3_SETS[C3_PRIMARY][2])
+    primary_ok = primary["mean_diff"] >= 0 and primary["low"] > C3_FLOOR
+    return {
+        "horizon": HORIZON, "hold": HOLD,
+        "preset_collapsed": collapsed, "held_all": held_all,
+        "primary": {**primary, "floor": C3_FLOOR, "holds": primary_ok},
+        "goal_met": held_all and primary_ok,
+        "descriptive": {
+            "reward_vs_2.5e-4": {rate: paired_difference(runs, control, sorted(runs)) for rate, runs in preset.items() if rate != "1e-3"},
+            "grpo_2.5e-4_collapsed": {"collapsed": sum(o["collapsed"] for o in control.values()), "n": len(control)},
+        },
+    }
+
+
+def c3_llds(outcomes: dict[int, dict], control: dict[int, dict]) -> dict:
+    """The optional arm, descriptive: its collapses and last-100 reward (with its paired difference
+    against GRPO at 2.5e-4 on the same seeds when those ran)."""
+    seeds = sorted(outcomes)
+    out = {"collapsed": sum(outcomes[s]["collapsed"] for s in seeds), "n": len(seeds),
+           "mean_final_reward": statistics.fmean(outcomes[s]["final_reward"] or 0.0 for s in seeds)}
+    if len(seeds) > 1 and all(s in control for s in seeds):
+        out["reward_vs_2.5e-4"] = paired_difference(outcomes, control, seeds)
+    return out
+
+
+def c3_demo(root: Path = C3_DEMO) -> dict:
+    """The demo transfer check: per arm and seed, dev EM after minus before and its paired SE (the run's
+    ``dev_em_change``); with all three seeds of an arm and of the shipped arm, the mean paired
+    difference against the shipped arm with its 95% t interval (2 df); partial arms give counts only."""
+    changes: dict[str, dict[int, dict]] = {arm: {} for arm in C3_DEMO_ARMS}
+    for arm in C3_DEMO_ARMS:
+        for seed in C3_DEMO_SEEDS:
+            summary = root / arm / f"seed{seed}" / "summary.json"
+            if summary.is_file():
+                change = json.loads(summary.read_text()).get("dev_em_change")
+                if not change:
+                    raise SystemExit(f"confirmatory: {shown(summary)}: no dev_em_change (the demo's evaluations before and after training)")
+                changes[arm][seed] = {"change": change["change"], "se": change["se"], "before": change["before"], "after": change["after"]}
+    archived = sum(map(len, changes.values()))
+    out: dict = {"archived": archived, "registered": len(C3_DEMO_ARMS) * len(C3_DEMO_SEEDS), "changes": changes}
+    if archived == 0:
+        return {"status": "not run", **out}
+    shipped = changes[C3_DEMO_ARMS[0]]
+    differences = {}
+    for arm in C3_DEMO_ARMS[1:]:
+        if len(changes[arm]) == len(shipped) == len(C3_DEMO_SEEDS):
+            as_outcome = lambda by_seed: {s: {"final_reward": c["change"]} for s, c in by_seed.items()}  # noqa: E731
+            differences[arm] = paired_difference(as_outcome(changes[arm]), as_outcome(shipped), C3_DEMO_SEEDS)
+    complete = len(differences) == len(C3_DEMO_ARMS) - 1
+    return {"status": "complete" if complete else "partial", **out, "difference_vs_shipped": differences}
+
+
+def c3_report(lab: Path = LAB, demo: Path = C3_DEMO) -> dict:
+    """C3 from its archives: while any registered run is missing, counts only ("partial: no test
+    computed", as registered); complete, the goal and the figures C3.md lists beside it."""
+    sets = {**C3_SETS, **C3_LLDS}
+    outcomes, kinds, missing, metas = collect(lab, sets, more=controller_figures)
+    problems = c3_checks(metas, sets)
+    if problems:
+        raise SystemExit(f"confirmatory: not C3's registered sets in {shown(lab)}: {'; '.join(problems)} (C3.md)")
+    registered_missing = [m for m in missing if not m.startswith(C3_LLDS[("stable+llds", "1e-3")][0] + "/")]
+    counts = {f"{arm} {rate}": {"archived": len(outcomes[(arm, rate)]), "registered": len(seeds)}
+              for (arm, rate), (_, _, seeds) in sets.items()}
+    demo_rep = c3_demo(demo)
+    if registered_missing:
+        registered = sum(len(seeds) for _, _, seeds in C3_SETS.values())
+        return {"status": "partial", "counts": counts, "archived": registered - len(registered_missing), "registered": registered,
+                "missing": missing, "demo": {k: demo_rep[k] for k in ("status", "archived", "registered")},
+                "note": "partial: no test computed (C3.md: none on a partial set; counts only)"}
+    runs = [{"arm": a, "rate": r, "seed": s, **o, "machine_kind": kinds[(a, r)][s]}
+            for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
+    across = pairs_across_machines(kinds, C3_CONTROL, [k for k in sets if k != C3_CONTROL])
+    llds_key = ("stable+llds", "1e-3")
+    llds = (c3_llds(outcomes[llds_key], outcomes[C3_CONTROL]) if len(outcomes[llds_key]) == len(C3_LLDS[llds_key][2])
+            else {"status": "not run" if not outcomes[llds_key] else "partial", **counts["stable+llds 1e-3"]})
+    if demo_rep["status"] != "complete":
+        demo_rep = {k: demo_rep[k] for k in ("status", "archived", "registered")}
+    return {"status": "complete", "counts": counts, "runs": runs, "goal_pairs_across_machines": across,
+            **c3_goal({k: v for k, v in outcomes.items() if k in C3_SETS}), "llds": llds, "demo": demo_rep}
+
+
+def controller_text(archive: Path) -> str:
+    """Per archived run of one set (``<arm>/seed<S>`` under ``archive``): its steps, collapse (hold 30,
+    judged over the set's own horizon) and controller_figures. Descriptive: a pilot decides nothing."""
+    if not (archive / "collapse.json").is_file():
+        raise SystemExit(f"confirmatory: {archive / 'collapse.json'} not found: --controller must be a set's archive "
+                         "(lab/archive/collapse/<name>, written by lab/collapse.py)")
+    horizon = json.loads((archive / "collapse.json").read_text())["meta"].get("horizon") or HORIZON
+    lines = ["| run | steps | collapsed (hold 30) | rate min / median / max | steps below 2.5e-4 | held | updates (mean) "
+             "| stopped steps | with signal | drift k3, signal (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in sorted(p for p in archive.glob("*/seed*") if any(p.glob("metrics.csv*"))):
+        train = C.training_rows(C.read_metrics(run))
+        train = train[train.index < horizon]
+        time, collapsed = C.time_to_collapse(C.summarise(train, C.CollapseCriteria(hold=HOLD)), horizon)
+        f = controller_figures(train)
+        lines.append(f"| {run.parent.name}/{run.name} | {len(train)} | {f'yes, step {time:.0f}' if collapsed else 'no'} "
+                     f"| {_num(f['lr_min'], '.2e')} / {_num(f['lr_median'], '.2e')} / {_num(f['lr_max'], '.2e')} "
+                     f"| {_num(f['below_safe_share'], '.2f')} | {_num(f['held_share'], '.2f')} | {_num(f['updates_mean'], '.2f')} "
+                     f"| {f['stopped_steps']} | {_num(f['signal_share'], '.2f')} | {_num(f['kl_signal_median'], '.5f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _interval(d: dict) -> str:
+    return f"{d['mean_diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] ({d['df']} df)"
+
+
+def c3_text(rep: dict) -> str:
+    lines = ["| arm | starting rate | runs archived of registered |", "|---|---|---|"]
+    lines += [f"| {key.split()[0]} | {key.split()[1]} | {c['archived']} of {c['registered']} |" for key, c in rep["counts"].items()]
+    lines.append(f"\nDemo transfer check: {rep['demo']['archived']} of {rep['demo']['registered']} runs archived.")
+    if rep["status"] == "partial":
+        lines.append(f"\n{rep['archived']} of the {rep['registered']} registered runs archived; {rep['note']}.")
+        return "\n".join(lines) + "\n"
+    lines += ["", "| arm | starting rate | seed | collapsed by H | time | last-100 reward | rate min / median / max | steps below 2.5e-4 "
+              "| held | updates (mean) | stopped steps | drift k3, signal (median) | CPU min | machine kind |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        preset = r["arm"] != "grpo"
+        rates = f"{_num(r['lr_min'], '.2e')} / {_num(r['lr_median'], '.2e')} / {_num(r['lr_max'], '.2e')}"
+        lines.append(f"| {r['arm']} | {r['rate']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} | {_num(r['final_reward'], '.3f')} "
+                     f"| {rates} | {_num(r['below_safe_share'], '.2f') if preset else ''} | {_num(r['held_share'], '.2f') if preset else ''} "
+                     f"| {_num(r['updates_mean'], '.2f')} | {r['stopped_steps'] if preset else ''} | {_num(r['kl_signal_median'], '.5f')} "
+                     f"| {_num(r.get('cpu_min'), '.0f')} | {kind_label(r['machine_kind'])} |")
+    if rep["goal_pairs_across_machines"]:
+        lines.append(f"\nNot as registered: seeds {rep['goal_pairs_across_machines']} ran a preset arm and GRPO at 2.5e-4 on different machine kinds.")
+    c, p = rep["preset_collapsed"], rep["primary"]
+    lines += ["", "(i) preset runs collapsed by H (hold 30): " + ", ".join(f"{v['collapsed']} of {v['n']} from {rate}" for rate, v in c.items())
+              + f" -> {'holds' if rep['held_all'] else 'fails'}.",
+              f"(ii) primary: last-100 reward, preset from 1e-3 minus GRPO at 2.5e-4: {_interval(p)}; needs mean >= 0 and "
+              f"lower bound > {C3_FLOOR} -> {'holds' if p['holds'] else 'fails'}.",
+              f"Goal: {'met' if rep['goal_met'] else 'not met'}.",
+              "Descriptive: " + "; ".join(f"preset from {rate} minus GRPO at 2.5e-4: {_interval(d)}" for rate, d in rep["descriptive"]["reward_vs_2.5e-4"].items())
+              + f"; GRPO at 2.5e-4 collapsed {rep['descriptive']['grpo_2.5e-4_collapsed']['collapsed']} of {rep['descriptive']['grpo_2.5e-4_collapsed']['n']}."]
+    llds = rep["llds"]
+    if "collapsed" in llds:
+        lines.append(f"Optional LLDS arm (preset + LLDS from 1e-3): collapsed {llds['collapsed']} of {llds['n']}, mean last-100 reward "
+                     f"{llds['mean_final_reward']:.3f}" + (f", minus GRPO at 2.5e-4 {_interval(llds['reward_vs_2.5e-4'])}" if "reward_vs_2.5e-4" in llds else "") + ".")
+    else:
+        lines.append(f"Optional LLDS arm: {llds['status']} ({llds['archived']} of {llds['registered']}).")
+    demo = rep["demo"]
+    if demo["status"] == "complete":
+        for arm, by_seed in demo["changes"].items():
+            lines.append(f"Demo {arm}: dev EM change " + ", ".join(f"seed {s} {c['change']:+.3f} (SE {c['se']:.3f})" for s, c in sorted(by_seed.items())) + ".")
+        lines += [f"Demo {arm} minus shipped: {_interval(d)}." for arm, d in demo["difference_vs_shipped"].items()]
+    return "\n".join(lines) + "\n"
+
+
 def shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
@@ -397,9 +662,18 @@ def shown(path: Path) -> Path:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
-    parser.add_argument("--c2", action="store_true", help="C2's goal instead, from lab/archive/collapse/c2_* and C1's GRPO runs")
-    parser.add_argument("--json", type=Path, default=None, help="where to write the analysis (default SET/c1.json; with --c2, c2.json beside the sets)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--c2", action="store_true", help="C2's goal instead, from lab/archive/collapse/c2_* and C1's GRPO runs")
+    which.add_argument("--c3", action="store_true", help="C3's goal instead, from lab/archive/collapse/c3_* and the demo's c3_transfer")
+    which.add_argument("--controller", type=Path, default=None, metavar="ARCHIVE",
+                       help="print the rate controller's figures C3 reports, per run of one set's archive (e.g. C3's pilot); no test")
+    parser.add_argument("--demo", type=Path, default=C3_DEMO, help="with --c3: the demo transfer check's archive (default lab/archive/demo/c3_transfer)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="where to write the analysis (default SET/c1.json; with --c2 / --c3, c2.json / c3.json beside the sets)")
     args = parser.parse_args(argv)
+    if args.controller is not None:
+        print(controller_text(args.controller), end="")
+        return 0
     if args.json is not None:  # before the analysis: a directory or a missing folder fails at the end otherwise
         if args.json.is_dir():
             raise SystemExit(f"confirmatory: --json {args.json}: is a directory; give the file to write (e.g. {args.json / 'c1.json'})")
@@ -415,6 +689,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if rep["status"] == "complete":
             c2_figure(args.set.parent, path.with_suffix(".png"))
             print(f"figure: {shown(path.with_suffix('.png'))}")
+    elif args.c3:
+        lab = args.set.parent
+        if not ((lab / "C3.md").is_file() or any((lab / name / "collapse.json").is_file() for name, _, _ in {**C3_SETS, **C3_LLDS}.values())):
+            raise SystemExit(f"confirmatory: neither C3.md nor a C3 set (c3_*/collapse.json) in {lab}: with --c3, "
+                             "--set must be a set inside the lab's archive (lab/archive/collapse/<name>)")
+        rep = c3_report(lab, args.demo)
+        print(c3_text(rep), end="")
+        path = args.json or lab / "c3.json"
     else:
         rep = report(args.set)
         print(text(rep), end="")

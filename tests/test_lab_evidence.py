@@ -625,3 +625,28 @@ def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     row = _readme_row("GRPO collapses on a real LM too")
     assert f"at 2e-3, {collapsed['2e-3']} of 3 seeds stopped answering" in row and f"(collapse step {steps[0]})" in row and len(steps) == 1
     assert f"at 5e-4, {collapsed['5e-4']} of 3 collapsed" in row
+
+
+C3_PILOT = LAB / "c3_pilot_1e-3"
+
+
+@pytest.mark.skipif(not (C3_PILOT / "collapse.json").is_file(), reason="C3's pilot is not archived")
+def test_c3_pilot_figures_recomputed_independently() -> None:
+    """docs/stability.md's C3 pilot paragraph (a pipeline check, seeds 0 and 1, 100 steps from 1e-3):
+    the metrics the preset must log on every step, and the rate range, held share, mean updates and
+    stopped steps it quotes, from the archived metrics with the csv module."""
+    text = page("docs", "stability.md")
+    lr, held, updates, stopped = {}, {}, {}, {}
+    for seed in (0, 1):
+        run = C3_PILOT / "stable" / f"seed{seed}"
+        reward = _by_step(run, "train/reward")
+        assert len(reward) == 100 and _collapse_start(run, hold=30) is None, seed
+        logged = {key: _by_step(run, key) for key in ("drift/signal", "drift/rate_held", "drift/lr_scale", "train/lr", "drift/updates", "drift/stopped")}
+        assert all(set(reward) <= set(v) for v in logged.values()), seed  # every training step logged them
+        lr[seed] = (min(logged["train/lr"].values()), max(logged["train/lr"].values()), logged["train/lr"][99])
+        held[seed] = logged["drift/rate_held"][99] / 100  # a cumulative count
+        updates[seed] = statistics.fmean(logged["drift/updates"].values())
+        stopped[seed] = sum(v == 1.0 for v in logged["drift/stopped"].values())
+    for seed in (0, 1):
+        assert (f"seed {seed}: rate {lr[seed][0]:.1e} to {lr[seed][1]:.1e}, {lr[seed][2]:.1e} at step 99; "
+                f"held {held[seed]:.2f} of steps; {updates[seed]:.1f} updates a batch; {stopped[seed]} steps stopped").replace("e-0", "e-") in text
