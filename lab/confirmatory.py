@@ -1,11 +1,13 @@
 """The registered analyses of lab/archive/collapse/CONFIRMATORY.md and C3.md: C1 (does LLDS prevent the
 collapse at 5e-4?), C2's goal (does a drift bound keep every starting rate from collapsing?) and C3's
-(does the preset match the best fixed rate without a rate search?).
+(does the preset match the best fixed rate without a rate search?); and the real-model lab's Stage B
+(PREREGISTRATION_real_lm_B.md: do LLDS and the drift bound prevent GRPO's collapse on SmolLM2-135M?).
 
     python lab/confirmatory.py                 # C1: prints the analysis, writes lab/archive/collapse/c1_5e-4/c1.json
     python lab/confirmatory.py --c2            # C2: writes lab/archive/collapse/c2.json (and, complete, c2.png)
     python lab/confirmatory.py --c3            # C3: writes lab/archive/collapse/c3.json
     python lab/confirmatory.py --controller lab/archive/collapse/c3_pilot_1e-3   # the controller's figures per run
+    python lab/confirmatory.py --real-lm-b     # Stage B: writes lab/archive/collapse/real_lm_B/stage_b.json
 
 Everything is recomputed from the archived per-step metrics with the registered rule
 (``lldslight.science.collapse``: hold 30, horizon 1,100), nothing from the runner's report. Until all 20
@@ -44,6 +46,14 @@ and the median drift over the steps with signal; the optional preset + LLDS arm 
 seed<S>/summary.json, arms shipped, stable_5e-4, stable_2e-3, seeds 3-5: dev EM changes and paired
 differences with 2-df t intervals). Until all 30 registered runs are archived the report holds counts
 only: "partial: no test computed", as registered.
+
+Stage B (seeds 10-15, GRPO at 1e-3 vs + LLDS vs + configs/stable.yaml, H = 100, hold 30): counts only
+until all 18 runs are archived; then P1 (LLDS) and P2 (the bound), each a one-sided exact test that the
+arm collapses less than GRPO (stratified by machine kind if they differ), Holm over the two at 0.05,
+C1's horizon rule (GRPO's median time to collapse <= H / 2) for the word "prevented"; secondaries the
+paired RMST difference (2,000-resample bootstrap) and the last-20 reward's paired difference (95% t
+interval, two-sided paired permutation p); per run the first-20 and last-20 means of the paper's
+signals and the drift (descriptive).
 """
 from __future__ import annotations
 
@@ -95,19 +105,29 @@ C3_SAFE_RATE = 2.5e-4  # the best fixed rate: the share of a preset run's steps 
 C3_DEMO = ROOT / "lab" / "archive" / "demo" / "c3_transfer"
 C3_DEMO_ARMS = ("shipped", "stable_5e-4", "stable_2e-3")  # (a), (b), (c)
 C3_DEMO_SEEDS = (3, 4, 5)
+# The real-model lab's Stage B (PREREGISTRATION_real_lm_B.md): rate and H fixed by Stage A's table.
+B_NAME = "real_lm_B"
+B_SEEDS = tuple(range(10, 16))
+B_RATE = "1e-3"
+B_HORIZON = 100
+B_FINAL = 20  # the last-20 reward (steps H-20 .. H-1)
+B_ARMS = ("grpo", "llds", "stable")
+B_SETS = {(arm, B_RATE): (B_NAME, f"{arm}_{B_RATE}", B_SEEDS) for arm in B_ARMS}
+B_SIGNALS = ("lld/logp_pos", "lld/logp_neg", "lld/neg_shared_share", "train/entropy", "drift/kl_k3_last",
+             "train/zero_var_groups", "train/lr", "drift/updates")
 
 
-def training_rows(run: Path):
+def training_rows(run: Path, horizon: int = HORIZON):
     """One archived run's training rows up to the horizon (read once, summarised under each hold)."""
     train = C.training_rows(C.read_metrics(run))
-    return train[train.index < HORIZON]
+    return train[train.index < horizon]
 
 
-def run_outcome(train, hold: int) -> dict:
-    """One run's training rows: time to collapse (censored at H), collapsed by H, last-100 reward,
-    and the medians over steps of its drift, rate and updates applied."""
-    summary = C.summarise(train, C.CollapseCriteria(hold=hold))
-    time, collapsed = C.time_to_collapse(summary, HORIZON)
+def run_outcome(train, hold: int, horizon: int = HORIZON, final_window: int = 100) -> dict:
+    """One run's training rows: time to collapse (censored at H), collapsed by H, the last
+    ``final_window`` steps' reward, and the medians over steps of its drift, rate and updates applied."""
+    summary = C.summarise(train, C.CollapseCriteria(hold=hold), final_window=final_window)
+    time, collapsed = C.time_to_collapse(summary, horizon)
     return {"time": time, "collapsed": collapsed, "final_reward": summary["final_reward"],
             **{name: _median(C.column(train, key) or []) for key, name in
                (("drift/kl_k3_last", "drift_kl_k3_median"), ("train/lr", "lr_median"), ("drift/updates", "updates_median"))}}
@@ -131,17 +151,18 @@ def machine_kinds(meta_runs: dict) -> dict[str, tuple]:
     return out
 
 
-def primary(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> dict:
-    """The registered primary test on complete, paired outcomes (arm -> seed -> outcome)."""
+def primary(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], treated: str = "llds") -> dict:
+    """The registered primary test on complete, paired outcomes (arm -> seed -> outcome): ``treated``
+    collapses less often than "grpo" (one-sided, exact; stratified by machine kind when they differ)."""
     strata: dict[tuple, list[int]] = {}
     for seed in sorted(outcomes["grpo"]):
         strata.setdefault(kinds[seed], []).append(seed)
     cells = [(sum(outcomes["grpo"][s]["collapsed"] for s in seeds), len(seeds),
-              sum(outcomes["llds"][s]["collapsed"] for s in seeds), len(seeds)) for seeds in strata.values()]
+              sum(outcomes[treated][s]["collapsed"] for s in seeds), len(seeds)) for seeds in strata.values()]
     stratified = len(cells) > 1
     p = C.fisher_stratified_one_sided(cells) if stratified else C.fisher_one_sided(*cells[0])
     return {"test": "exact stratified (machine kind)" if stratified else "Fisher exact", "one_sided": True,
-            "strata": [{"kind": list(map(str, k)), "seeds": s, "grpo_collapsed": c[0], "llds_collapsed": c[2], "n": c[1]}
+            "strata": [{"kind": list(map(str, k)), "seeds": s, "grpo_collapsed": c[0], f"{treated}_collapsed": c[2], "n": c[1]}
                        for (k, s), c in zip(strata.items(), cells)],
             "p": p, "alpha": ALPHA, "passes": p <= ALPHA}
 
@@ -335,7 +356,8 @@ def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
             "safe_rate_collapsed": sum(safe[s]["collapsed"] for s in seeds)}
 
 
-def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ...]]], more=None) -> tuple[dict, dict, list[str], dict]:
+def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ...]]], more=None, horizon: int = HORIZON,
+            final_window: int = 100) -> tuple[dict, dict, list[str], dict]:
     """The archived runs of ``sets`` ((arm, rate) -> (set folder, arm folder, seeds)): per key, seed ->
     run_outcome (plus ``more(train)`` when given) with its CPU minutes; seed -> machine kind; the runs
     not readable yet; each set's recorded meta (empty when the set has no collapse.json)."""
@@ -356,8 +378,8 @@ def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ..
             if gap:
                 missing.append(gap)
                 continue
-            train = training_rows(run)
-            outcomes[key][seed] = {**run_outcome(train, HOLD), **(more(train) if more else {})}
+            train = training_rows(run, horizon)
+            outcomes[key][seed] = {**run_outcome(train, HOLD, horizon, final_window), **(more(train) if more else {})}
             kinds[key][seed] = list(map(str, kind_of[f"{arm}/seed{seed}"]))
             cpu_s = meta_runs[f"{arm}/seed{seed}"].get("cpu_s")  # the run's process CPU time (registered: reported per run)
             outcomes[key][seed]["cpu_min"] = None if cpu_s is None else cpu_s / 60
@@ -655,6 +677,91 @@ def c3_text(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def b_signals(train) -> dict:
+    """Stage B's descriptive figures of one run: its last-20 answered and tool-call rates, and each
+    signal's mean over the first and the last 20 steps (the paper's signals next to the drift)."""
+    n = len(train)
+    out = {f"final_{name}": C.mean_over(C.column(train, key), n - B_FINAL, n)
+           for key, name in (("train/answered_rate", "answered"), ("diag/tool_call_rate", "tool_call"))}
+    for key in B_SIGNALS:
+        values = C.column(train, key)
+        out[key] = [C.mean_over(values, 0, B_FINAL), C.mean_over(values, n - B_FINAL, n)]
+    return out
+
+
+def b_analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> dict:
+    """Stage B's registered tests on complete outcomes (arm -> seed -> outcome): P1 (llds) and P2
+    (stable) against grpo, Holm over the two at 0.05, C1's horizon rule; the secondaries."""
+    seeds = sorted(outcomes["grpo"])
+    g = outcomes["grpo"]
+    grpo_median = statistics.median(g[s]["time"] for s in seeds)
+    horizon_ok = grpo_median <= B_HORIZON / 2
+    tests = {arm: primary(outcomes, kinds, treated=arm) for arm in ("llds", "stable")}
+    adjusted = C.holm([tests[a]["p"] for a in tests])
+    claims = {}
+    for (arm, test), p_holm in zip(tests.items(), adjusted):
+        passes = p_holm <= ALPHA
+        words = {"llds": "LLDS", "stable": "the drift bound"}[arm]
+        verdict = (f"{words} prevented the collapse within {B_HORIZON} steps" if passes and horizon_ok
+                   else f"fewer runs collapsed within {B_HORIZON} steps with {words} (the horizon rule did not hold)" if passes
+                   else "not supported: the primary test did not pass (Holm)")
+        o = outcomes[arm]
+        claims[arm] = {**test, "p_holm": p_holm, "passes": passes, "verdict": verdict,
+                       "collapsed": sum(o[s]["collapsed"] for s in seeds),
+                       "rmst_difference": C.rmst_difference([(g[s]["time"], g[s]["collapsed"]) for s in seeds],
+                                                            [(o[s]["time"], o[s]["collapsed"]) for s in seeds], B_HORIZON, n_boot=2000),
+                       "final_reward": paired_difference(o, g, seeds)
+                       | {"permutation_p": C.paired_permutation([g[s]["final_reward"] or 0.0 for s in seeds],
+                                                                [o[s]["final_reward"] or 0.0 for s in seeds], alternative="two-sided")["p"]}}
+    means = {arm: {k: statistics.fmean(outcomes[arm][s][k] or 0.0 for s in seeds) for k in ("final_reward", "final_answered", "final_tool_call")}
+             for arm in B_ARMS}
+    return {"seeds": seeds, "horizon": B_HORIZON, "hold": HOLD, "rate": B_RATE, "alpha": ALPHA, "family": "Holm over P1, P2",
+            "collapsed": {"grpo": sum(g[s]["collapsed"] for s in seeds), **{a: claims[a]["collapsed"] for a in claims}},
+            "grpo_median_time": grpo_median, "horizon_rule_holds": horizon_ok, "claims": claims, "last20_means": means}
+
+
+def b_report(lab: Path = LAB) -> dict:
+    """Stage B from its archive: counts only while a registered run is missing (no test on a partial
+    set, as registered); complete, the tests and the secondaries."""
+    outcomes, kinds, missing, metas = collect(lab, B_SETS, more=b_signals, horizon=B_HORIZON, final_window=B_FINAL)
+    meta = metas.get(B_NAME) or {}
+    if meta and meta.get("horizon") not in (None, B_HORIZON):
+        raise SystemExit(f"confirmatory: {B_NAME}: horizon {meta['horizon']}, registered {B_HORIZON} (PREREGISTRATION_real_lm_B.md)")
+    counts = {arm: {"archived": len(outcomes[(arm, B_RATE)]), "registered": len(B_SEEDS)} for arm in B_ARMS}
+    runs = [{"arm": a, "seed": s, **o, "machine_kind": kinds[(a, r)][s]} for (a, r), by in outcomes.items() for s, o in sorted(by.items())]
+    if missing:
+        return {"status": "partial", "counts": counts, "missing": missing,
+                "note": "partial: no test computed (PREREGISTRATION_real_lm_B.md: none on a partial set; counts only)"}
+    across = pairs_across_machines(kinds, ("grpo", B_RATE), [("llds", B_RATE), ("stable", B_RATE)])
+    if across:
+        raise SystemExit(f"confirmatory: {B_NAME}: seeds {across} ran their arms on different machine kinds (registered: one kind per seed)")
+    by_arm = {arm: outcomes[(arm, B_RATE)] for arm in B_ARMS}
+    seed_kind = {s: tuple(k) for s, k in kinds[("grpo", B_RATE)].items()}
+    return {"status": "complete", "counts": counts, "runs": runs, **b_analyse(by_arm, seed_kind)}
+
+
+def b_text(rep: dict) -> str:
+    lines = ["| arm | runs archived of registered |", "|---|---|"]
+    lines += [f"| {arm} {B_RATE} | {c['archived']} of {c['registered']} |" for arm, c in rep["counts"].items()]
+    if rep["status"] == "partial":
+        return "\n".join(lines + ["", f"{rep['note']}."]) + "\n"
+    lines += ["", "| arm | seed | collapsed by H (hold 30) | time | last-20 reward | answered | tool calls | machine kind |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} | {_num(r['final_reward'], '.3f')} "
+              f"| {_num(r['final_answered'], '.2f')} | {_num(r['final_tool_call'], '.2f')} | {kind_label(r['machine_kind'])} |" for r in rep["runs"]]
+    n = len(rep["seeds"])
+    lines += ["", f"Collapsed by H = {B_HORIZON}: GRPO {rep['collapsed']['grpo']} of {n}, LLDS {rep['collapsed']['llds']} of {n}, "
+              f"drift bound {rep['collapsed']['stable']} of {n}.",
+              f"Horizon rule: GRPO's median time {rep['grpo_median_time']:.0f} vs H / 2 = {B_HORIZON / 2:.0f}: "
+              f"{'holds' if rep['horizon_rule_holds'] else 'broken'}."]
+    for arm, c in rep["claims"].items():
+        rd, fr = c["rmst_difference"], c["final_reward"]
+        lines.append(f"{'P1' if arm == 'llds' else 'P2'} ({arm} vs grpo, {c['test']}, one-sided): p = {c['p']:.4f}, Holm {c['p_holm']:.4f} "
+                     f"-> {c['verdict']}. RMST {arm} - grpo {rd['diff']:+.1f} steps [{rd['low']:+.1f}, {rd['high']:+.1f}]; "
+                     f"last-20 reward {_interval(fr)}, paired permutation p = {fr['permutation_p']:.3f} (two-sided).")
+    return "\n".join(lines) + "\n"
+
+
 def shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
@@ -665,6 +772,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--c2", action="store_true", help="C2's goal instead, from lab/archive/collapse/c2_* and C1's GRPO runs")
     which.add_argument("--c3", action="store_true", help="C3's goal instead, from lab/archive/collapse/c3_* and the demo's c3_transfer")
+    which.add_argument("--real-lm-b", action="store_true",
+                       help="the real-model lab's Stage B (lab/archive/collapse/real_lm_B, PREREGISTRATION_real_lm_B.md)")
     which.add_argument("--controller", type=Path, default=None, metavar="ARCHIVE",
                        help="print the rate controller's figures C3 reports, per run of one set's archive (e.g. C3's pilot); no test")
     parser.add_argument("--demo", type=Path, default=C3_DEMO, help="with --c3: the demo transfer check's archive (default lab/archive/demo/c3_transfer)")
@@ -697,6 +806,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         rep = c3_report(lab, args.demo)
         print(c3_text(rep), end="")
         path = args.json or lab / "c3.json"
+    elif args.real_lm_b:
+        rep = b_report(args.set.parent)
+        print(b_text(rep), end="")
+        path = args.json or args.set.parent / B_NAME / "stage_b.json"
+        if not path.parent.is_dir():
+            raise SystemExit(f"confirmatory: {shown(path.parent)}: no Stage B archive yet (lab/collapse.py --name {B_NAME} makes it)")
     else:
         rep = report(args.set)
         print(text(rep), end="")
