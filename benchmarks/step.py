@@ -5,6 +5,7 @@ in fp32 and in bf16.
     python benchmarks/step.py --precision bf16 --threads 2 --rounds 5
     python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
     python benchmarks/step.py --shared-prefix on    # lldslight with a group's prompt encoded once only (no unshared run)
+    python benchmarks/step.py --workload lab --precision bf16   # the real-model lab's recipe, against TRL and today's lldslight
 
 Both sides run at the same precision, each at its best setting for it (``--precision``, default
 both in turn): fp32 = every weight and all compute in fp32 (lldslight ``policy.precision: fp32``,
@@ -20,6 +21,18 @@ bundled GGUF; TRL loads it by path), the same prompts, G, max new tokens, sampli
 size, the same reward function. No search: lldslight's RolloutEngine runs with max_turns=0 (the
 final generation only), so TRL can do the same work. TRL 1.16 is installed into
 benchmarks/.venv-trl on first use (or pass --trl-python / set LLDSLIGHT_TRL_PYTHON).
+
+``--workload lab`` (``both``: the single-turn work, then this) times the real-model lab's recipe
+instead (benchmarks/step_lab.py says what each side does and what still differs): LoRA on the top 8
+of 30 layers, 16 rollouts with one BM25 search then an answer, 4 updates per rollout batch; the
+sides are "lldslight" (as shipped, ``frozen_prefix`` on), "lldslight-today" (``frozen_prefix`` off)
+and TRL with ``layers_to_transform``, ``steps_per_generation`` set so that it too takes 4 optimiser
+steps on 4 rows each per generation batch, and a Search-R1 ``rollout_func``. The unit timed is one
+rollout batch and its updates; ratios: ``step_time_ratio`` (lldslight / TRL), ``today_ratio``
+(lldslight / lldslight-today, per phase in ``today_ratios``), ``step_time_ratio_today``
+(lldslight-today / TRL), under the report's ``lab`` key. No bounds (their model of the step is
+single-turn with LoRA on every layer). ``--lab-rollout KEY=VALUE`` adds a rollout setting to the
+shipped run only (a hook for decode options today's lldslight lacks).
 
 Timing (benchmarks/harness.py): each side runs in its own subprocess (its own peak RSS), one
 warm-up step then ``--steps`` measured steps; sides alternate A B A B for ``--rounds`` rounds per

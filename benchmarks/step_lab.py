@@ -96,14 +96,20 @@ def at_root():
 def build_cli(frozen_prefix: bool, precision: str, seed: int):
     """The lab's run through lldslight's own CLI (the recipe, the arm, the warm start), built and not
     run: its module, data module and callbacks as ``lldslight fit`` would make them."""
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lightning.pytorch.cli import LightningCLI
+
+    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.data.datamodule import SearchQADataModule
+    from lldslight.module import GRPOModule
 
     args = lab_step.fit_args(lab_step.RECIPE, lab_step.ARM, lab_step.POLICY, frozen_prefix, 1, seed)
     args += ["--model.policy.precision", PRECISION[precision], "--trainer.logger", "false"]
-    cli_cls, module_cls, datamodule_cls = _cli_class()
+    # The lldslight command is this LightningCLI over these classes with these defaults (lldslight/cli.py);
+    # what it adds (lists replaced across config files, deprecated flat keys, resume checks) leaves
+    # this recipe and arm as they are.
     with at_root():
-        return cli_cls(module_cls, datamodule_cls, args=args, run=False, trainer_defaults=TRAINER_DEFAULTS,
-                       seed_everything_default=seed, auto_configure_optimizers=False, save_config_callback=None)
+        return LightningCLI(GRPOModule, SearchQADataModule, args=args, run=False, trainer_defaults=TRAINER_DEFAULTS,
+                            seed_everything_default=seed, auto_configure_optimizers=False, save_config_callback=None)
 
 
 def search_rollout(cli):
