@@ -578,8 +578,11 @@ def ensure_trl_venv(python: str | None) -> str:
     if python:
         return python
     exe = TRL_VENV / "bin" / "python"
-    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers, psutil"], capture_output=True).returncode == 0:
+    # bm25s: the lab workload's TRL side searches with lldslight's BM25 retriever, the same version.
+    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers, psutil, bm25s"], capture_output=True).returncode == 0:
         return str(exe)
+    from importlib.metadata import version
+
     import transformers
 
     print(f"[step] creating {TRL_VENV} (torch 2.13 CPU, trl=={TRL_VERSION}, transformers=={transformers.__version__})", flush=True)
@@ -589,7 +592,8 @@ def ensure_trl_venv(python: str | None) -> str:
     pip = [str(exe), "-m", "pip", "install", "-q"]
     extra = [] if wheels else ["--index-url", "https://download.pytorch.org/whl/cpu"]
     subprocess.run(pip + [torch_req] + extra, check=True)
-    subprocess.run(pip + [f"trl=={TRL_VERSION}", f"transformers=={transformers.__version__}", "peft", "psutil"], check=True)
+    subprocess.run(pip + [f"trl=={TRL_VERSION}", f"transformers=={transformers.__version__}", "peft", "psutil",
+                          f"bm25s=={version('bm25s')}"], check=True)
     return str(exe)
 
 

@@ -135,7 +135,23 @@ def spec(precision: str, seed: int) -> dict:
         batch = next(iter(data.train_dataloader()))
     prompts = [{"id": e.id, "question": e.question, "golden_answers": list(e.golden_answers), "data_source": e.data_source,
                 "messages": e.messages, "group_id": e.group_id} for e in batch]
-    return {**settings(cli), "prompts": prompts}
+    out = {**settings(cli), "prompts": prompts}
+    out["lora"]["linear_modules"] = linear_names(out["model_dir"])
+    return out
+
+
+def linear_names(model_dir: str) -> list[str]:
+    """The names of the model's linear layers but the output head, as lldslight's policy spells out
+    "all-linear" when only some layers are adapted (peft refuses the string with
+    layers_to_transform). Read from a weightless (meta-device) copy of the model."""
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
 
 
 def settings(cli) -> dict:
@@ -205,7 +221,10 @@ def check_rollout_overrides(overrides: dict) -> None:
 def trl_lora_kwargs(spec: dict) -> dict:
     """peft LoraConfig arguments for TRL's side: the recipe's adapter, on the same layers."""
     lora = spec["lora"]
-    return {"r": lora["r"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"], "target_modules": lora["target_modules"],
+    targets = lora["target_modules"]
+    if targets == "all-linear" and lora["layers_to_transform"]:
+        targets = lora["linear_modules"]  # spelled out as lldslight does (linear_names)
+    return {"r": lora["r"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"], "target_modules": targets,
             "layers_to_transform": lora["layers_to_transform"] or None, "task_type": "CAUSAL_LM"}
 
 

@@ -311,15 +311,35 @@ def test_lab_trl_side_gets_the_recipes_layers_and_updates(step):
     raw = yaml.safe_load((lab.ROOT / lab.lab_step.RECIPE).read_text())
     cli = lab.build_cli(True, "bf16", 0)
     spec = lab.settings(cli)
+    spec["lora"]["linear_modules"] = ["q_proj", "v_proj"]  # spec() reads them from the warm start (test below)
     lora = lab.trl_lora_kwargs(spec)
     assert lora["layers_to_transform"] == raw["model"]["policy"]["lora"]["layers_to_transform"] == list(range(22, 30))
-    assert (lora["r"], lora["lora_alpha"], lora["target_modules"]) == (16, 32, "all-linear")
+    assert (lora["r"], lora["lora_alpha"], lora["target_modules"]) == (16, 32, ["q_proj", "v_proj"])
+    assert raw["model"]["policy"]["lora"].get("target_modules", "all-linear") == "all-linear"
     rollout = raw["trainer"]["callbacks"][0]["init_args"]["rollout"]
     rows = raw["data"]["batch_size"] * rollout["group_size"]
     counts = _trl_counts(step.trl_batch_kwargs(rows, spec["micro_batch"], spec["updates"]))
     assert counts["optimiser_steps"] == raw["model"]["update"]["updates_per_rollout"] == 4 and counts["rows"] == 16 == rows
     assert spec["rollout"]["max_turns"] == rollout["max_turns"] and spec["rollout"]["topk"] == rollout["topk"]
     assert spec["reward"]["class"] == "lldslight.rewards.ExactMatchReward"  # the recipe's reward: none given, exact match
+
+
+def test_linear_names_spell_out_all_linear_as_the_policy_does():
+    """peft refuses "all-linear" with layers_to_transform: TRL's side gets the names, which must be
+    those of the adapter lldslight builds for the same config (its LoRA modules, read from a real
+    policy here) and, for SmolLM2 (Llama), the 7 projections."""
+    from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_model_dir
+
+    lab = load_benchmark("step_lab")
+    model_dir = str(resolve_model_dir(PolicyConfig(model="smollm2-135m-instruct"), weights=False))
+    names = lab.linear_names(model_dir)
+    assert names == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    from conftest import TINY_DIMS
+
+    model, _ = load_policy(PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(TINY_DIMS, num_hidden_layers=3),
+                                        lora=LoRAConfig(r=2, alpha=4, layers_to_transform=[2]), gradient_checkpointing=False))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and ".layers.2." in n}
+    assert adapted == set(names)
 
 
 def test_workload_and_lab_rollout_arguments(step):
