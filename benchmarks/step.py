@@ -1020,12 +1020,23 @@ def closing_note(report: dict) -> list[str]:
 
 
 def recorded(spec: dict) -> dict:
-    """The settings as a report keeps them: without the prompts, the model's cache folder under
-    "~" (a committed report names no machine's home)."""
+    """The settings as a report keeps them: without the prompts (the lab's: their ids), paths in
+    the repository relative to it and the model's cache folder under "~" (a committed report names
+    no machine's folders)."""
     out = {k: v for k, v in spec.items() if k != "prompts"}
-    home = str(Path.home())
-    if str(out.get("model_dir", "")).startswith(home + os.sep):
-        out["model_dir"] = "~" + out["model_dir"][len(home):]
+    if spec.get("workload") == "lab":
+        out["prompt_ids"] = [p["id"] for p in spec["prompts"]]
+
+    def short(path: str) -> str:
+        for prefix, shown in ((str(ROOT) + os.sep, ""), (str(Path.home()) + os.sep, "~" + os.sep)):
+            if path.startswith(prefix):
+                return shown + path[len(prefix):]
+        return path
+
+    if "model_dir" in out:
+        out["model_dir"] = short(str(out["model_dir"]))
+    if "retriever" in out:
+        out["retriever"] = dict(out["retriever"], corpus=short(out["retriever"]["corpus"]))
     return out
 
 

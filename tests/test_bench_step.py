@@ -262,6 +262,11 @@ def test_report_names_no_home_folder(step):
     spec = {"model_dir": str(Path.home() / ".cache" / "lldslight" / "models" / "m"), "prompts": ["x"], "lora_r": 16}
     assert step.recorded(spec) == {"model_dir": "~/.cache/lldslight/models/m", "lora_r": 16}
     assert step.recorded({"model_dir": "/elsewhere/m"})["model_dir"] == "/elsewhere/m"
+    # the lab's warm start and corpus live in the repository: recorded relative to it, with the prompts' ids
+    lab = {"workload": "lab", "model_dir": str(step.ROOT / ".lldslight" / "w"), "prompts": [{"id": "q1"}, {"id": "q2"}],
+           "retriever": {"class": "B", "corpus": str(step.ROOT / ".lldslight" / "c.jsonl"), "settings": {}}}
+    assert step.recorded(lab) == {"workload": "lab", "model_dir": ".lldslight/w", "prompt_ids": ["q1", "q2"],
+                                  "retriever": {"class": "B", "corpus": ".lldslight/c.jsonl", "settings": {}}}
 
 
 def test_committed_lean_step_figures_recomputed_and_quoted():
@@ -374,9 +379,10 @@ def test_both_workloads_report_ratios_against_trl_and_today(step, tmp_path, monk
     step_s = {("single", "lldslight"): 2.0, ("single", "trl"): 4.0,
               ("lab", "lldslight"): 3.0, ("lab", "lldslight-today"): 6.0, ("lab", "trl"): 8.0}
     seen: list = []
-    lab_spec = {"recipe": "r.yaml", "prompts": [{}] * 4, "group_size": 4, "updates": 4, "micro_batch": 4, "model_dir": "m",
+    lab_spec = {"recipe": "r.yaml", "prompts": [{"id": str(i)} for i in range(4)], "group_size": 4, "updates": 4, "micro_batch": 4, "model_dir": "m",
                 "rollout": {"max_turns": 1, "max_new_tokens": 40, "topk": 2, "max_response_tokens": 220},
-                "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "layers_to_transform": [22, 29]}}
+                "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "layers_to_transform": [22, 29],
+                         "linear_modules": ["q_proj"]}}
     monkeypatch.setattr(step, "run_worker", _fake_worker(step, step_s, seen))
     monkeypatch.setattr(step, "ensure_trl_venv", lambda python: "python")
     monkeypatch.setattr(step, "lab_spec", lambda args, precision, rollout: dict(lab_spec, workload="lab"))
