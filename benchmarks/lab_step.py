@@ -41,6 +41,18 @@ else:
 
 PHASES = ("rollout_s", "logprob_s", "frozen_prefix_s", "update_s", "lld_monitor_s")
 SIDES = {"frozen-prefix": "true", "every-layer": "false"}
+RECIPE = "lab/configs/real_lm.yaml"
+ARM = "lab/configs/arms_real/grpo_2e-3.yaml"
+POLICY = ".lldslight/demo_warmstart"  # the warm start (scripts/demo.sh makes it)
+
+
+def fit_args(recipe: str, arm: str, policy: str, frozen_prefix: bool, steps: int, seed: int) -> list[str]:
+    """The lab's run as ``lldslight fit`` arguments (after ``fit``): the recipe and an arm, the warm
+    start, the step count and seed, ``model.update.frozen_prefix`` on or off. benchmarks/step.py's
+    lab workload builds its lldslight side from the same arguments (in its own process, through
+    the same CLI), so both benchmarks time the one recipe."""
+    return ["--config", recipe, "--config", arm, "--trainer.max_steps", str(steps), "--seed_everything", str(seed),
+            "--model.update.frozen_prefix", "true" if frozen_prefix else "false", "--model.policy.model", policy]
 
 
 def cpu_flags() -> dict:
@@ -61,10 +73,9 @@ def cpu_flags() -> dict:
 
 def one_run(side: str, args, work: Path, round_: int) -> dict:
     out = work / f"{side}_{round_}"
-    cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", args.recipe, "--config", args.arm,
-           "--trainer.max_steps", str(args.steps), "--seed_everything", str(args.seed),
-           "--model.update.frozen_prefix", SIDES[side], "--trainer.logger.init_args.save_dir", str(out),
-           "--trainer.logger.init_args.version", "0", "--model.policy.model", args.policy]
+    cmd = [sys.executable, "-m", "lldslight.cli", "fit",
+           *fit_args(args.recipe, args.arm, args.policy, SIDES[side] == "true", args.steps, args.seed),
+           "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.version", "0"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1")
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -110,9 +121,9 @@ def summarise(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", default="lab/configs/real_lm.yaml")
-    p.add_argument("--arm", default="lab/configs/arms_real/grpo_2e-3.yaml")
-    p.add_argument("--policy", default=".lldslight/demo_warmstart", help="the warm start (scripts/demo.sh makes it)")
+    p.add_argument("--recipe", default=RECIPE)
+    p.add_argument("--arm", default=ARM)
+    p.add_argument("--policy", default=POLICY, help="the warm start (scripts/demo.sh makes it)")
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is a warm-up")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)

@@ -5,6 +5,7 @@ in fp32 and in bf16.
     python benchmarks/step.py --precision bf16 --threads 2 --rounds 5
     python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
     python benchmarks/step.py --shared-prefix on    # lldslight with a group's prompt encoded once only (no unshared run)
+    python benchmarks/step.py --workload lab --precision bf16   # the real-model lab's recipe, against TRL and today's lldslight
 
 Both sides run at the same precision, each at its best setting for it (``--precision``, default
 both in turn): fp32 = every weight and all compute in fp32 (lldslight ``policy.precision: fp32``,
@@ -20,6 +21,18 @@ bundled GGUF; TRL loads it by path), the same prompts, G, max new tokens, sampli
 size, the same reward function. No search: lldslight's RolloutEngine runs with max_turns=0 (the
 final generation only), so TRL can do the same work. TRL 1.16 is installed into
 benchmarks/.venv-trl on first use (or pass --trl-python / set LLDSLIGHT_TRL_PYTHON).
+
+``--workload lab`` (``both``: the single-turn work, then this) times the real-model lab's recipe
+instead (benchmarks/step_lab.py says what each side does and what still differs): LoRA on the top 8
+of 30 layers, 16 rollouts with one BM25 search then an answer, 4 updates per rollout batch; the
+sides are "lldslight" (as shipped, ``frozen_prefix`` on), "lldslight-today" (``frozen_prefix`` off)
+and TRL with ``layers_to_transform``, ``steps_per_generation`` set so that it too takes 4 optimiser
+steps on 4 rows each per generation batch, and a Search-R1 ``rollout_func``. The unit timed is one
+rollout batch and its updates; ratios: ``step_time_ratio`` (lldslight / TRL), ``today_ratio``
+(lldslight / lldslight-today, per phase in ``today_ratios``), ``step_time_ratio_today``
+(lldslight-today / TRL), under the report's ``lab`` key. No bounds (their model of the step is
+single-turn with LoRA on every layer). ``--lab-rollout KEY=VALUE`` adds a rollout setting to the
+shipped run only (a hook for decode options today's lldslight lacks).
 
 Timing (benchmarks/harness.py): each side runs in its own subprocess (its own peak RSS), one
 warm-up step then ``--steps`` measured steps; sides alternate A B A B for ``--rounds`` rounds per
@@ -76,12 +89,15 @@ else:  # python benchmarks/step.py: the script's own folder is on sys.path
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
-SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "trl")
-LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared")
+SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today", "trl")
+LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today")
 # each lldslight run's suffix on its ratio keys (step_time_ratio<suffix>) and its label
-RATIO_SUFFIX = {"lldslight": "", "lldslight-auto": "_auto", "lldslight-unshared": "_unshared"}
-RATIO_LABEL = {"lldslight": "ratio", "lldslight-auto": "ratio (auto)", "lldslight-unshared": "ratio (unshared)"}
+RATIO_SUFFIX = {"lldslight": "", "lldslight-auto": "_auto", "lldslight-unshared": "_unshared", "lldslight-today": "_today"}
+RATIO_LABEL = {"lldslight": "ratio", "lldslight-auto": "ratio (auto)", "lldslight-unshared": "ratio (unshared)",
+               "lldslight-today": "ratio (today)"}
+WORKLOADS = ("single", "lab", "both")
 SHARED_PREFIX_KEYS = ("step_s", "logprob_s", "update_s", "update_peak_above_idle_mb")  # what sharing changes
+TODAY_KEYS = ("step_s", "generation_s", "logprob_s", "update_s")  # lab: the shipped lldslight / today's, per phase
 PRECISIONS = ("fp32", "bf16")
 LLDSLIGHT_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed"}  # policy.precision per benchmark precision
 TARGET_RATIO = 0.5  # the speed target: step <= 0.5x TRL's
@@ -110,6 +126,11 @@ def reward(text: str) -> float:
 def _profiling():
     """benchmarks/profiling.py, imported where it is used (it imports torch)."""
     return importlib.import_module(f"{__package__}.profiling" if __package__ else "profiling")
+
+
+def _step_lab():
+    """benchmarks/step_lab.py: the lab workload's two sides."""
+    return importlib.import_module(f"{__package__}.step_lab" if __package__ else "step_lab")
 
 
 # -- measuring inside a worker ------------------------------------------------------------------
@@ -257,12 +278,9 @@ def module_groups(spec: dict) -> dict:
     )
 
 
-def worker_lldslight(spec: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    import lightning.pytorch as pl
-
+def single_parts(spec: dict):
+    """(module, SearchRollout, examples) for the single-turn workload: GRPOModule from
+    ``module_groups``, no search (max_turns 0), the open-ended prompts, the cheap reward."""
     from lldslight.callbacks import SearchRollout
     from lldslight.data.example import QAExample
     from lldslight.module import GRPOModule
@@ -276,6 +294,29 @@ def worker_lldslight(spec: dict) -> dict:
         QAExample(id=str(i), question=q, golden_answers=["-"], data_source="bench", messages=[{"role": "user", "content": q}], group_id=i)
         for i, q in enumerate(spec["prompts"])
     ]
+    rollout = RolloutConfig(
+        group_size=spec["group_size"],
+        max_turns=0,
+        max_new_tokens=spec["max_new_tokens"],
+        max_response_tokens=spec["max_new_tokens"],
+        temperature=1.0,
+    )
+    callback = SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout)
+    return GRPOModule(**module_groups(spec)), callback, examples
+
+
+def worker_lldslight(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import lightning.pytorch as pl
+
+    if spec.get("workload") == "lab":
+        os.chdir(ROOT)  # the recipe names its corpus, data and warm start from the root
+        overrides = spec.get("lab_rollout", {}) if spec["side"] == "lldslight" else {}
+        module, rollout, examples = _step_lab().lldslight_parts(spec, spec["side"], overrides)
+    else:
+        module, rollout, examples = single_parts(spec)
 
     class Prompts(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -296,37 +337,37 @@ def worker_lldslight(spec: dict) -> dict:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             traj = module.last_rollout
-            completion = traj.loss_mask.sum(-1).tolist()
+            completion = traj.loss_mask.sum(-1)
+            work = work_of(traj.prompt_len.tolist(), completion.tolist())
+            if spec.get("workload") == "lab":  # what the turns added: searches, passages' tokens, retrieval time
+                observed = traj.attention_mask.sum(-1) - traj.prompt_len - completion
+                work.update(searches=int(traj.num_searches.sum()), obs_tokens=int(observed.sum()),
+                            retrieval_s=module.timings.get("retrieval_s", float("nan")))
             clock.end(
                 {"generation_s": module.timings.get("rollout_s", float("nan")),
                  "logprob_s": module.timings.get("logprob_s", float("nan")),
                  "update_s": module.timings.get("update_s", float("nan"))},
-                work_of(traj.prompt_len.tolist(), completion),
+                work,
             )
 
-    class BenchModule(GRPOModule):
-        def training_step(self, batch, batch_idx):
-            clock.generation_done()  # the rollout (SearchRollout's batch start) is over
-            with labels("update"):
-                return super().training_step(batch, batch_idx)
+    # The step's phases for the memory figures and the profiler, on this module only: the rollout
+    # (SearchRollout's batch start) is over when training_step starts.
+    training_step, manual_backward = module.training_step, module.manual_backward
 
-        def manual_backward(self, loss, *args, **kwargs):
-            with labels("backward"):
-                return super().manual_backward(loss, *args, **kwargs)
+    def timed_training_step(batch, batch_idx):
+        clock.generation_done()
+        with labels("update"):
+            return training_step(batch, batch_idx)
 
+    def labelled_backward(loss, *args, **kwargs):
+        with labels("backward"):
+            return manual_backward(loss, *args, **kwargs)
+
+    module.training_step, module.manual_backward = timed_training_step, labelled_backward
     if spec.get("profile"):
         for module_name, path, name in LLDSLIGHT_LABELS:
             labels.wrap(*profiled_target(module_name, path), name)
 
-    module = BenchModule(**module_groups(spec))
-    rollout = RolloutConfig(
-        group_size=spec["group_size"],
-        max_turns=0,
-        max_new_tokens=spec["max_new_tokens"],
-        max_response_tokens=spec["max_new_tokens"],
-        temperature=1.0,
-    )
-    callbacks = [Timer(), SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout)]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -335,11 +376,13 @@ def worker_lldslight(spec: dict) -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=callbacks,
+        callbacks=[Timer(), rollout],
     )
     pl.seed_everything(spec["seed"], verbose=False)
     trainer.fit(module, datamodule=Data())
-    return clock.result()
+    result = clock.result()
+    result["trainable_params"] = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
+    return result
 
 
 # The phases of lldslight's step that --profile labels, on the code path a training step takes
@@ -383,18 +426,35 @@ class _Labels:
             _profiling().wrap(obj, attr, name)
 
 
+def trl_batch_kwargs(rows: int, micro_batch: int, updates: int) -> dict:
+    """GRPOConfig's batch settings for one rollout batch of ``rows`` rows trained on as lldslight's
+    ``updates_per_rollout: updates`` trains: ``updates`` optimiser steps, each on its own mini-batch
+    of rows / updates rows in micro-batches of ``micro_batch``, every row once. In TRL's counting a
+    generation batch is per_device_train_batch_size x steps_per_generation rows, an optimiser step
+    accumulates gradient_accumulation_steps micro-batches, and the batch is reused num_iterations
+    times; so steps_per_generation = rows / micro, gradient_accumulation_steps = rows / (updates x
+    micro), num_iterations = 1 (num_iterations = updates would train on every row ``updates`` times)."""
+    if rows % updates or (rows // updates) % micro_batch:
+        raise SystemExit(f"step: {rows} rows in {updates} update(s) of micro-batches of {micro_batch}: "
+                         "rows / updates must be a multiple of the micro-batch")
+    return {"per_device_train_batch_size": micro_batch, "steps_per_generation": rows // micro_batch,
+            "gradient_accumulation_steps": rows // (updates * micro_batch), "num_iterations": 1}
+
+
 def worker_trl(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    lab = spec.get("workload") == "lab"
     clock = StepClock(spec)
     labels = _Labels(spec)
     phase = {"gen": 0.0, "score": 0.0, "work": None}
+    updates = spec.get("updates", 1)  # optimiser steps (TRL's global steps) per rollout batch: the unit timed
 
     class TimedGRPO(GRPOTrainer):
         def _generate_single_turn(self, *args, **kwargs):
@@ -410,7 +470,11 @@ def worker_trl(spec: dict) -> dict:
                 out = super()._generate_and_score_completions(inputs)
             phase["score"] += time.perf_counter() - t0
             clock.generation_done()
-            phase["work"] = work_of(out["prompt_mask"].sum(-1).tolist(), out["completion_mask"].sum(-1).tolist())
+            loss_mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+            phase["work"] = work_of(out["prompt_mask"].sum(-1).tolist(), loss_mask.sum(-1).tolist())
+            if lab:  # the search loop's own time and work (TimedRollout)
+                phase["gen"] += rollout.stats["generation_s"]
+                phase["work"].update({k: rollout.stats[k] for k in ("searches", "obs_tokens", "retrieval_s")})
             return out
 
         def training_step(self, *args, **kwargs):
@@ -418,12 +482,14 @@ def worker_trl(spec: dict) -> dict:
                 return super().training_step(*args, **kwargs)
 
     class Timer(TrainerCallback):
+        # One unit = one rollout batch and its ``updates`` optimiser steps.
         def on_step_begin(self, args, state, control, **kw):
-            phase.update(gen=0.0, score=0.0, work=None)
-            clock.begin(trainer.model)
+            if state.global_step % updates == 0:
+                phase.update(gen=0.0, score=0.0, work=None)
+                clock.begin(trainer.model)
 
         def on_step_end(self, args, state, control, **kw):
-            if not clock.measuring:
+            if state.global_step % updates or not clock.measuring:
                 return
             total = time.perf_counter() - clock.t0
             clock.end(
@@ -441,23 +507,35 @@ def worker_trl(spec: dict) -> dict:
 
     bf16 = spec.get("precision", "fp32") == "bf16"
     rows = len(spec["prompts"]) * spec["group_size"]
-    if rows % spec["micro_batch"]:
-        raise ValueError(f"prompts x group_size = {rows} must be a multiple of --micro-batch {spec['micro_batch']}")
+    if lab:
+        lab_mod = _step_lab()
+        rollout_cfg = spec["rollout"]
+        tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], padding_side="left")
+        rollout = lab_mod.SearchR1Rollout(spec, tokenizer)
+        workload = dict(max_completion_length=rollout_cfg["max_response_tokens"], temperature=rollout_cfg["temperature"],
+                        top_p=rollout_cfg["top_p"], top_k=rollout_cfg["top_k"], learning_rate=spec["lr"],
+                        weight_decay=spec["weight_decay"], epsilon=spec["clip_eps"], max_grad_norm=spec["grad_clip"],
+                        lr_scheduler_type="constant")
+        extra = dict(rollout_func=rollout, processing_class=tokenizer)
+        reward_fn = lab_mod.trl_reward(spec)
+        dataset = Dataset.from_list(lab_mod.trl_rows(spec))
+        lora = LoraConfig(**lab_mod.trl_lora_kwargs(spec))
+    else:
+        workload = dict(max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5,
+                        max_grad_norm=1.0)
+        extra = {}
+        reward_fn = trl_reward
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in spec["prompts"]]})
+        lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
             output_dir=out_dir,
-            per_device_train_batch_size=spec["micro_batch"],
-            gradient_accumulation_steps=rows // spec["micro_batch"],
+            **trl_batch_kwargs(rows, spec["micro_batch"], updates),
             num_generations=spec["group_size"],
-            max_completion_length=spec["max_new_tokens"],
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
+            **workload,
             beta=spec["beta"],
             loss_type="grpo",
-            learning_rate=1e-5,
-            max_grad_norm=1.0,
-            max_steps=spec["warmup"] + spec["steps"],
+            max_steps=updates * (spec["warmup"] + spec["steps"]),
             gradient_checkpointing=True,
             bf16=bf16,
             use_cpu=True,
@@ -469,9 +547,8 @@ def worker_trl(spec: dict) -> dict:
             dataloader_num_workers=0,
             model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32, "attn_implementation": "sdpa"},
         )
-        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in spec["prompts"]]})
-        lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        trainer = TimedGRPO(model=spec["model_dir"], reward_funcs=trl_reward, args=args, train_dataset=dataset, peft_config=lora, callbacks=[Timer()])
+        trainer = TimedGRPO(model=spec["model_dir"], reward_funcs=reward_fn, args=args, train_dataset=dataset, peft_config=lora,
+                            callbacks=[Timer()], **extra)
         if spec.get("profile"):
             backward = trainer.accelerator.backward
 
@@ -481,7 +558,10 @@ def worker_trl(spec: dict) -> dict:
 
             trainer.accelerator.backward = labelled_backward
         trainer.train()
-    return clock.result()
+    result = clock.result()
+    # What was trained: the adapter's size says both sides adapt the same layers.
+    result["trainable_params"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    return result
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -498,8 +578,11 @@ def ensure_trl_venv(python: str | None) -> str:
     if python:
         return python
     exe = TRL_VENV / "bin" / "python"
-    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers, psutil"], capture_output=True).returncode == 0:
+    # bm25s: the lab workload's TRL side searches with lldslight's BM25 retriever, the same version.
+    if exe.exists() and subprocess.run([str(exe), "-c", "import trl, peft, transformers, psutil, bm25s"], capture_output=True).returncode == 0:
         return str(exe)
+    from importlib.metadata import version
+
     import transformers
 
     print(f"[step] creating {TRL_VENV} (torch 2.13 CPU, trl=={TRL_VERSION}, transformers=={transformers.__version__})", flush=True)
@@ -509,14 +592,15 @@ def ensure_trl_venv(python: str | None) -> str:
     pip = [str(exe), "-m", "pip", "install", "-q"]
     extra = [] if wheels else ["--index-url", "https://download.pytorch.org/whl/cpu"]
     subprocess.run(pip + [torch_req] + extra, check=True)
-    subprocess.run(pip + [f"trl=={TRL_VERSION}", f"transformers=={transformers.__version__}", "peft", "psutil"], check=True)
+    subprocess.run(pip + [f"trl=={TRL_VERSION}", f"transformers=={transformers.__version__}", "peft", "psutil",
+                          f"bm25s=={version('bm25s')}"], check=True)
     return str(exe)
 
 
 def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
     from lldslight import hostmem
 
-    spec = dict(spec, checkpointing="auto" if side == "lldslight-auto" else True,
+    spec = dict(spec, side=side, checkpointing="auto" if side == "lldslight-auto" else True,
                 shared_prefix=spec.get("shared_prefix", True) and side != "lldslight-unshared")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -543,16 +627,19 @@ def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
 PER_STEP = ("step_s", "generation_s", "logprob_s", "update_s", "tokens", "gen_tokens_per_s", "decode_steps", "context",
             "loss_tokens", "idle_rss_mb")
 PEAKS = ("generation_peak_above_idle_mb", "update_peak_above_idle_mb")
-KEYS = PER_STEP + PEAKS + ("peak_rss_mb",)
+LAB_PER_STEP = ("searches", "obs_tokens", "retrieval_s")  # the lab workload's turns: searches, passages' tokens, retrieval
+KEYS = PER_STEP + LAB_PER_STEP + PEAKS + ("peak_rss_mb", "trainable_params")
 
 
 def run_figures(result: dict) -> tuple[dict, harness.LoadRecord]:
     """One worker run as one harness attempt: the median of its measured steps per figure (peaks:
     the max), and the load over its measured steps."""
     steps = result["steps"]
-    figures = {k: statistics.median(s[k] for s in steps) for k in PER_STEP}
+    figures = {k: statistics.median(s[k] for s in steps) for k in PER_STEP + LAB_PER_STEP if k in steps[0]}
     figures.update({k: max(s[k] for s in steps) for k in PEAKS})
     figures.update(peak_rss_mb=result["peak_rss_mb"], rows=steps[0]["rows"], steps=steps, wall_s=result["wall_s"])
+    if "trainable_params" in result:
+        figures["trainable_params"] = result["trainable_params"]
     return figures, harness.combine([harness.LoadRecord.from_dict(s["load"]) for s in steps])
 
 
@@ -562,7 +649,10 @@ def table(summary: dict, ratios: dict, sides: list[str]) -> str:
         ("  generation (s)", "generation_s", "{:.2f}"),
         ("  log-probs: old/ref (s)", "logprob_s", "{:.2f}"),
         ("  update: fwd+bwd+opt (s)", "update_s", "{:.2f}"),
+        ("  of which retrieval (s)", "retrieval_s", "{:.2f}"),
         ("generated tokens / step", "tokens", "{:.0f}"),
+        ("searches / step", "searches", "{:.0f}"),
+        ("passage tokens / step", "obs_tokens", "{:.0f}"),
         ("generation tokens/s", "gen_tokens_per_s", "{:.1f}"),
         ("peak RSS (MB)", "peak_rss_mb", "{:.0f}"),
         ("idle RSS, weights loaded (MB)", "idle_rss_mb", "{:.0f}"),
@@ -575,6 +665,8 @@ def table(summary: dict, ratios: dict, sides: list[str]) -> str:
         lines[0] += f" {RATIO_LABEL[side]:>20} |"
         lines[1] += "-" * 22 + "|"
     for label, key, fmt in rows:
+        if not all(key in summary[s] for s in sides):  # the lab's rows on the lab only
+            continue
         line = f"| {label:32} |" + "".join(f" {harness.fmt_spread(summary[s][key], fmt):>20} |" for s in sides)
         for side in ratios:
             r = ratios[side][key]
@@ -598,13 +690,15 @@ def bounds_table(fractions: dict, sides: list[str]) -> str:
 
 
 def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: dict, policy: harness.Policy, shape,
-                    measured_bounds: dict | None = None) -> dict:
+                    measured_bounds: dict | None = None, with_bounds: bool = True) -> dict:
     """One precision (``spec["precision"]``) at one thread count. ``measured_bounds``: this thread
-    count's bounds when an earlier precision measured them (they cover both precisions)."""
+    count's bounds when an earlier precision measured them (they cover both precisions).
+    ``with_bounds``: the bounds' model of the step is single-turn with LoRA on every layer (the
+    lab workload has none)."""
     spec = dict(spec, threads=threads)
     precision = spec.get("precision", "fp32")
     out: dict = {"threads": threads, "precision": precision}
-    if not args.no_bounds:
+    if with_bounds and not args.no_bounds:
         out["bounds"] = measured_bounds or bounds.measure(threads, shape, rows=len(spec["prompts"]) * spec["group_size"])
 
     def run(side):
@@ -615,17 +709,20 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
 
     attempts = harness.alternate(sides, run, args.rounds, policy, describe=describe)
     out["quiet"] = harness.quiet_summary(attempts, policy)
-    out["sides"] = {s: harness.side_summary(attempts, s, list(KEYS)) for s in sides}
+    keys = [k for k in KEYS if all(k in a.metrics for a in attempts if a.kept)]  # the lab's keys on the lab only
+    out["sides"] = {s: harness.side_summary(attempts, s, keys) for s in sides}
     out["attempts"] = [a.to_dict() for a in attempts]
     if "trl" in sides:
         for side, suffix in RATIO_SUFFIX.items():
             if side in sides:
-                out["ratios" + suffix] = {k: harness.ratio_summary(attempts, side, "trl", k) for k in KEYS}
+                out["ratios" + suffix] = {k: harness.ratio_summary(attempts, side, "trl", k) for k in keys}
                 out["step_time_ratio" + suffix] = out["ratios" + suffix]["step_s"]["ratio_of_medians"]
-    if "lldslight" in sides and "lldslight-unshared" in sides:
-        # the shared prefix's effect: the same settings with it on / off
-        out["shared_prefix_ratios"] = {k: harness.ratio_summary(attempts, "lldslight", "lldslight-unshared", k) for k in SHARED_PREFIX_KEYS}
-        out["shared_prefix_ratio"] = out["shared_prefix_ratios"]["step_s"]["ratio_of_medians"]
+    for side, base, name, what in (("lldslight", "lldslight-unshared", "shared_prefix", SHARED_PREFIX_KEYS),
+                                   ("lldslight", "lldslight-today", "today", TODAY_KEYS)):
+        if side in sides and base in sides:
+            # one setting's effect, the rest the same: the shared prefix on / off; the lab's shipped / today's lldslight
+            out[name + "_ratios"] = {k: harness.ratio_summary(attempts, side, base, k) for k in what}
+            out[name + "_ratio"] = out[name + "_ratios"]["step_s"]["ratio_of_medians"]
     if "bounds" in out:
         out["fractions"] = {}
         for s in sides:
@@ -641,13 +738,25 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
     return out
 
 
-def print_threads(res: dict, args, sides: list[str]) -> None:
+def title(res: dict, args, spec: dict) -> str:
+    """The line above a thread count's table: the workload as both sides ran it."""
+    if spec.get("workload") == "lab":
+        r, lora = spec["rollout"], spec["lora"]
+        layers = lora["layers_to_transform"]
+        return (f"GRPO step, the real-model lab's workload ({spec['recipe']}): SmolLM2-135M warm start {res.get('precision', 'fp32')} "
+                f"LoRA r={lora['r']} on layers {layers[0]}-{layers[-1]}: {len(spec['prompts'])} prompts x G={spec['group_size']}, "
+                f"{r['max_turns']} search + an answer ({r['max_new_tokens']} tokens a turn, BM25 top-{r['topk']}, "
+                f"{r['max_response_tokens']} response tokens), {spec['updates']} updates per rollout batch, micro-batch "
+                f"{spec['micro_batch']}, gradient checkpointing; {args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)")
+    return (f"GRPO step, single-turn, SmolLM2-135M-Instruct {res.get('precision', 'fp32')} LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
+            f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
+            f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)")
+
+
+def print_threads(res: dict, args, sides: list[str], spec: dict | None = None) -> None:
+    spec = spec or {}
     print()
-    print(
-        f"GRPO step, single-turn, SmolLM2-135M-Instruct {res.get('precision', 'fp32')} LoRA r={args.lora_r}: {args.prompts} prompts x G={args.group_size}, "
-        f"{args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, beta {args.beta}, 1 update/step, gradient checkpointing; "
-        f"{args.rounds} alternating rounds x {args.steps} steps; {res['threads']} thread(s)"
-    )
+    print(title(res, args, spec))
     ratios = {side: res["ratios" + suffix] for side, suffix in RATIO_SUFFIX.items() if "ratios" + suffix in res}
     print(table(res["sides"], ratios, sides))
     if "fractions" in res:
@@ -661,9 +770,11 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
         print(bounds_table(res["fractions"], sides))
         print("  update GFLOP for this work: " + ", ".join(f"{k} {v:.1f}" for k, v in res["update_variants_gflop"].items()))
     shared = "shared prefix off" if args.shared_prefix == "off" else "shared prefix on"
-    for suffix, what in (("", f"every layer checkpointed, as TRL, {shared}"),
+    lab = spec.get("workload") == "lab"
+    for suffix, what in (("", "as shipped, frozen prefix on" if lab else f"every layer checkpointed, as TRL, {shared}"),
                          ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB, {shared}"),
-                         ("_unshared", "every layer checkpointed, shared prefix off")):
+                         ("_unshared", "every layer checkpointed, shared prefix off"),
+                         ("_today", "today's, frozen prefix off")):
         if "step_time_ratio" + suffix in res:
             r = res["ratios" + suffix]["step_s"]
             print(f"step_time_ratio{suffix} (lldslight, {what} / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
@@ -672,6 +783,10 @@ def print_threads(res: dict, args, sides: list[str]) -> None:
         print("shared prefix on / off (lldslight / lldslight-unshared): " + ", ".join(
             f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
             for k, r in res["shared_prefix_ratios"].items()))
+    if "today_ratios" in res:
+        print("as shipped / today's (lldslight / lldslight-today): " + ", ".join(
+            f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
+            for k, r in res["today_ratios"].items()))
     print(harness.quiet_line(res["quiet"]))
 
 
@@ -719,6 +834,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default="fp32,bf16", help="comma-separated, each measured in turn: fp32 (both sides fp32) "
                                                             "and/or bf16 (lldslight bf16-mixed, TRL bf16=True)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=WORKLOADS, default="single",
+                   help="single: single-turn work, LoRA on every layer, 1 update per step (the figures so far); lab: the "
+                        "real-model lab's recipe (benchmarks/step_lab.py: LoRA on the top 8 layers, 4 updates per rollout "
+                        "batch, a BM25 search then an answer), lldslight as shipped and with frozen_prefix off, against TRL; "
+                        "both: one then the other")
+    p.add_argument("--lab-rollout", action="append", default=[], metavar="KEY=VALUE",
+                   help="lab workload, the shipped lldslight run only: a rollout setting to add to the recipe's (repeatable; "
+                        "YAML values, e.g. a decode option today's lldslight lacks)")
     p.add_argument("--only", choices=SIDES, default=None, help="run one side (debugging)")
     p.add_argument("--no-bounds", action="store_true", help="skip measuring bandwidth and sgemm ceilings")
     p.add_argument("--profile", action="store_true", help="profile one step of lldslight (or --only trl) and print where the time goes")
@@ -743,6 +866,13 @@ def main(argv: list[str] | None = None) -> None:
     precisions = [x.strip() for x in args.precision.split(",") if x.strip()]
     if not precisions or any(x not in PRECISIONS for x in precisions):
         raise SystemExit(f"--precision must be a comma-separated list of {', '.join(PRECISIONS)}, got {args.precision!r}")
+    workloads = ["single", "lab"] if args.workload == "both" else [args.workload]
+    lab_sides = list(_step_lab().SIDES)
+    if args.only and "lab" in workloads and args.only not in lab_sides:
+        raise SystemExit(f"--only {args.only}: the lab workload runs {', '.join(lab_sides)}")
+    if args.only == "lldslight-today" and "single" in workloads:
+        raise SystemExit("--only lldslight-today: a side of the lab workload only (--workload lab)")
+    lab_rollout = lab_rollout_overrides(args.lab_rollout)
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
     model_dir = str(resolve_model_dir(PolicyConfig()))  # de-quantises the bundled GGUF once
@@ -767,72 +897,146 @@ def main(argv: list[str] | None = None) -> None:
     runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
     if args.shared_prefix == "both":
         runs.append("lldslight-unshared")
-    sides = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
+    specs, sides = {}, {}
+    if "single" in workloads:
+        specs["single"] = dict(spec, workload="single")
+        sides["single"] = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
+    if "lab" in workloads:
+        specs["lab"] = lab_spec(args, precisions[0], lab_rollout)
+        sides["lab"] = [args.only] if args.only else (["lldslight"] if args.profile else lab_sides)
     pythons = dict.fromkeys(LLDSLIGHT_SIDES, sys.executable)
-    if "trl" in sides:
+    if any("trl" in s for s in sides.values()):
         pythons["trl"] = ensure_trl_venv(args.trl_python)
     if args.profile:
-        profile(args, dict(spec, precision=precisions[0]), sides, pythons)
+        first = workloads[0]
+        profile(args, dict(specs[first], precision=precisions[0]), sides[first], pythons)
         return
     policy = harness.policy_from_args(args)
-    report: dict = {"config": recorded(spec), "machine": machine(), "precisions": {}}
+    report: dict = {"workload": args.workload, "machine": machine()}
+    if "single" in specs:
+        report.update(config=recorded(specs["single"]), precisions={})
+    if "lab" in specs:
+        report["lab"] = {"config": recorded(specs["lab"]), "trl": trl_lab_settings(specs["lab"]),
+                         "what_differs": list(_step_lab().DIFFERENCES), "precisions": {}}
     measured_bounds: dict = {}
-    for precision in precisions:
-        runs_p = report["precisions"][precision] = {"threads": {}}
-        for t in [int(x) for x in args.threads.split(",")]:
-            res = measure_threads(t, args, dict(spec, precision=precision), sides, pythons, policy, shape, measured_bounds.get(t))
-            if "bounds" in res:
-                measured_bounds[t] = res["bounds"]
-            runs_p["threads"][str(t)] = res
-            print_threads(res, args, sides)
-            if args.json:  # after each run: a long run that stops later keeps what it measured
-                Path(args.json).write_text(json.dumps(report, indent=1))
-        for key in ("step_time_ratio", "step_time_ratio_auto", "step_time_ratio_unshared", "shared_prefix_ratio"):
-            if runs_p["threads"] and all(key in r for r in runs_p["threads"].values()):
-                runs_p[key] = {t: r[key] for t, r in runs_p["threads"].items()}
-                report.setdefault(key, {})[precision] = runs_p[key]
+    for workload in workloads:
+        # the single workload's figures stay where they always were (the report's top level)
+        block = report if workload == "single" else report["lab"]
+        for precision in precisions:
+            runs_p = block["precisions"][precision] = {"threads": {}}
+            for t in [int(x) for x in args.threads.split(",")]:
+                res = measure_threads(t, args, dict(specs[workload], precision=precision), sides[workload], pythons, policy, shape,
+                                      measured_bounds.get(t), with_bounds=workload == "single")
+                if "bounds" in res:
+                    measured_bounds[t] = res["bounds"]
+                runs_p["threads"][str(t)] = res
+                print_threads(res, args, sides[workload], specs[workload])
+                if args.json:  # after each run: a long run that stops later keeps what it measured
+                    Path(args.json).write_text(json.dumps(report, indent=1))
+            for key in ("step_time_ratio", "step_time_ratio_auto", "step_time_ratio_unshared", "step_time_ratio_today",
+                        "shared_prefix_ratio", "today_ratio"):
+                if runs_p["threads"] and all(key in r for r in runs_p["threads"].values()):
+                    runs_p[key] = {t: r[key] for t, r in runs_p["threads"].items()}
+                    block.setdefault(key, {})[precision] = runs_p[key]
     report["closing_note"] = closing_note(report)
     print("\n" + "\n".join(report["closing_note"]))
-    report["quiet"] = all(r["quiet"]["quiet"] for p in report["precisions"].values() for r in p["threads"].values())
+    report["quiet"] = all_quiet(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 
 
+def lab_rollout_overrides(items: list[str]) -> dict:
+    """--lab-rollout KEY=VALUE items as rollout settings (values read as YAML: true, 3, 0.5)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"step: --lab-rollout {item!r}: expected KEY=VALUE (e.g. greedy=false)")
+        out[key.strip()] = yaml.safe_load(value)
+    if out:
+        _step_lab().check_rollout_overrides(out)
+    return out
+
+
+def lab_spec(args, precision: str, lab_rollout: dict) -> dict:
+    """The lab workload's settings (read from the recipe; step_lab.spec) with this run's."""
+    lab = _step_lab().spec(precision, args.seed)
+    lab.update(workload="lab", steps=args.steps, warmup=1, seed=args.seed, malloc=args.malloc, lab_rollout=lab_rollout)
+    rows = len(lab["prompts"]) * lab["group_size"]
+    trl_batch_kwargs(rows, lab["micro_batch"], lab["updates"])  # a recipe TRL cannot split alike fails here, before any run
+    return lab
+
+
+def trl_lab_settings(spec: dict) -> dict:
+    """What TRL's side of the lab workload is given, as the report records it."""
+    rows = len(spec["prompts"]) * spec["group_size"]
+    return {"batch": trl_batch_kwargs(rows, spec["micro_batch"], spec["updates"]), "lora": _step_lab().trl_lora_kwargs(spec),
+            "optimiser_steps_per_unit": spec["updates"], "rollout": "rollout_func (step_lab.SearchR1Rollout)"}
+
+
+def all_quiet(report: dict) -> bool:
+    blocks = [b for b in (report, report.get("lab")) if b and "precisions" in b]
+    return all(r["quiet"]["quiet"] for b in blocks for p in b["precisions"].values() for r in p["threads"].values())
+
+
 def closing_note(report: dict) -> list[str]:
-    """Per precision and thread count: the step ratio against the 0.5x target, and lldslight's
-    decode step against the physical limit (and the 40% target in bf16)."""
+    """Per workload, precision and thread count: the step ratio against the 0.5x target (the lab
+    workload: against TRL and against today's lldslight), and lldslight's decode step against the
+    physical limit (and the 40% target in bf16)."""
     lines = []
-    for precision, runs in report["precisions"].items():
+
+    def target(name: str, r: float) -> str:
+        return f"{name} {r:.3f} = {r / TARGET_RATIO:.2f}x the {TARGET_RATIO}x target ({'met' if r <= TARGET_RATIO else 'missed'});"
+
+    for precision, runs in report.get("precisions", {}).items():
         for t, res in runs["threads"].items():
             parts = [f"{precision}, {t} thread(s):"]
             for key, name in (("step_time_ratio", "step ratio"), ("step_time_ratio_auto", "step ratio (auto)"),
                               ("step_time_ratio_unshared", "step ratio (shared prefix off)")):
                 if key in res:
-                    r = res[key]
-                    parts.append(f"{name} {r:.3f} = {r / TARGET_RATIO:.2f}x the {TARGET_RATIO}x target"
-                                 f" ({'met' if r <= TARGET_RATIO else 'missed'});")
+                    parts.append(target(name, res[key]))
             if "shared_prefix_ratio" in res:
                 parts.append(f"shared prefix on / off: step {res['shared_prefix_ratio']:.3f};")
             f = res.get("fractions", {}).get("lldslight")
             if f is not None:
-                target = f" (target {TARGET_DECODE_FRACTION:.0%}: {'met' if f['generation_fraction_of_bound'] >= TARGET_DECODE_FRACTION else 'missed'})" \
+                goal = f" (target {TARGET_DECODE_FRACTION:.0%}: {'met' if f['generation_fraction_of_bound'] >= TARGET_DECODE_FRACTION else 'missed'})" \
                     if precision == "bf16" else ""
-                parts.append(f"decode step at {f['generation_fraction_of_bound']:.0%} of the physical limit{target}, "
+                parts.append(f"decode step at {f['generation_fraction_of_bound']:.0%} of the physical limit{goal}, "
                              f"{f['generation_fraction_of_blas']:.0%} of its matmuls alone; update at "
                              f"{f['update_fraction_of_ceiling']:.0%} of the peak")
             lines.append(" ".join(parts))
-    quiet = all(r["quiet"]["quiet"] for p in report["precisions"].values() for r in p["threads"].values())
-    lines.append("quiet machine: every run" if quiet else "NOT QUIET: some runs had other load (see each run's quiet line)")
+    for precision, runs in report.get("lab", {}).get("precisions", {}).items():
+        for t, res in runs["threads"].items():
+            parts = [f"lab, {precision}, {t} thread(s):"]
+            for key, name in (("step_time_ratio", "step ratio vs TRL"), ("today_ratio", "step ratio vs today's lldslight"),
+                              ("step_time_ratio_today", "today's lldslight vs TRL")):
+                if key in res:
+                    parts.append(target(name, res[key]) if key != "step_time_ratio_today" else f"{name} {res[key]:.3f};")
+            lines.append(" ".join(parts))
+    lines.append("quiet machine: every run" if all_quiet(report) else "NOT QUIET: some runs had other load (see each run's quiet line)")
     return lines
 
 
 def recorded(spec: dict) -> dict:
-    """The settings as a report keeps them: without the prompts, the model's cache folder under
-    "~" (a committed report names no machine's home)."""
+    """The settings as a report keeps them: without the prompts (the lab's: their ids), paths in
+    the repository relative to it and the model's cache folder under "~" (a committed report names
+    no machine's folders)."""
     out = {k: v for k, v in spec.items() if k != "prompts"}
-    home = str(Path.home())
-    if str(out.get("model_dir", "")).startswith(home + os.sep):
-        out["model_dir"] = "~" + out["model_dir"][len(home):]
+    if spec.get("workload") == "lab":
+        out["prompt_ids"] = [p["id"] for p in spec["prompts"]]
+
+    def short(path: str) -> str:
+        for prefix, shown in ((str(ROOT) + os.sep, ""), (str(Path.home()) + os.sep, "~" + os.sep)):
+            if path.startswith(prefix):
+                return shown + path[len(prefix):]
+        return path
+
+    if "model_dir" in out:
+        out["model_dir"] = short(str(out["model_dir"]))
+    if "retriever" in out:
+        out["retriever"] = dict(out["retriever"], corpus=short(out["retriever"]["corpus"]))
     return out
 
 

@@ -262,6 +262,11 @@ def test_report_names_no_home_folder(step):
     spec = {"model_dir": str(Path.home() / ".cache" / "lldslight" / "models" / "m"), "prompts": ["x"], "lora_r": 16}
     assert step.recorded(spec) == {"model_dir": "~/.cache/lldslight/models/m", "lora_r": 16}
     assert step.recorded({"model_dir": "/elsewhere/m"})["model_dir"] == "/elsewhere/m"
+    # the lab's warm start and corpus live in the repository: recorded relative to it, with the prompts' ids
+    lab = {"workload": "lab", "model_dir": str(step.ROOT / ".lldslight" / "w"), "prompts": [{"id": "q1"}, {"id": "q2"}],
+           "retriever": {"class": "B", "corpus": str(step.ROOT / ".lldslight" / "c.jsonl"), "settings": {}}}
+    assert step.recorded(lab) == {"workload": "lab", "model_dir": ".lldslight/w", "prompt_ids": ["q1", "q2"],
+                                  "retriever": {"class": "B", "corpus": ".lldslight/c.jsonl", "settings": {}}}
 
 
 def test_committed_lean_step_figures_recomputed_and_quoted():
@@ -273,3 +278,198 @@ def test_committed_lean_step_figures_recomputed_and_quoted():
         row = (f"| {threads} | {step['lldslight']:.2f} / {step['trl']:.2f} | **{step['lldslight'] / step['trl']:.2f}** "
                f"| {gen['lldslight']:.2f} / {gen['trl']:.2f} | {upd['lldslight']:.2f} / {upd['trl']:.2f} |")
         assert row in doc, row
+
+
+# -- the real-model lab's workload (--workload lab; benchmarks/step_lab.py) ------------------------------------------
+
+
+def _trl_counts(kw: dict) -> dict:
+    """TRL 1.16's own counting (GRPOConfig's docs, GRPOTrainer._prepare_inputs): a generation batch is
+    per_device_train_batch_size x steps_per_generation rows, generated once and reused for
+    steps_per_generation x num_iterations micro-steps; an optimiser step accumulates
+    gradient_accumulation_steps micro-batches."""
+    micro_steps = kw["steps_per_generation"] * kw["num_iterations"]
+    return {"rows": kw["per_device_train_batch_size"] * kw["steps_per_generation"],
+            "optimiser_steps": micro_steps // kw["gradient_accumulation_steps"],
+            "rows_per_step": kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"],
+            "passes_per_row": kw["num_iterations"]}
+
+
+@pytest.mark.parametrize("rows,micro,updates", [(16, 4, 4), (8, 4, 1), (16, 2, 4), (16, 4, 2)])
+def test_trl_trains_every_row_once_in_k_updates(step, rows, micro, updates):
+    """lldslight's updates_per_rollout k: k optimiser steps per rollout batch, each on its own rows / k
+    rows, every row once. TRL's settings must count the same (num_iterations = k would train every
+    row k times: k passes over the whole batch)."""
+    counts = _trl_counts(step.trl_batch_kwargs(rows, micro, updates))
+    assert counts == {"rows": rows, "optimiser_steps": updates, "rows_per_step": rows // updates, "passes_per_row": 1}
+    with pytest.raises(SystemExit, match="multiple of the micro-batch"):
+        step.trl_batch_kwargs(16, 4, 3)
+
+
+def test_lab_trl_side_gets_the_recipes_layers_and_updates(step):
+    """From the lab's recipe as lldslight's CLI builds it: TRL's LoRA adapts the layers the recipe
+    names (read here from the YAML), and its batch settings make the recipe's updates per rollout
+    batch out of its 4 prompts x G rollouts."""
+    import yaml
+
+    lab = load_benchmark("step_lab")
+    raw = yaml.safe_load((lab.ROOT / lab.lab_step.RECIPE).read_text())
+    cli = lab.build_cli(True, "bf16", 0)
+    spec = lab.settings(cli)
+    spec["lora"]["linear_modules"] = ["q_proj", "v_proj"]  # spec() reads them from the warm start (test below)
+    lora = lab.trl_lora_kwargs(spec)
+    assert lora["layers_to_transform"] == raw["model"]["policy"]["lora"]["layers_to_transform"] == list(range(22, 30))
+    assert (lora["r"], lora["lora_alpha"], lora["target_modules"]) == (16, 32, ["q_proj", "v_proj"])
+    assert raw["model"]["policy"]["lora"].get("target_modules", "all-linear") == "all-linear"
+    rollout = raw["trainer"]["callbacks"][0]["init_args"]["rollout"]
+    rows = raw["data"]["batch_size"] * rollout["group_size"]
+    counts = _trl_counts(step.trl_batch_kwargs(rows, spec["micro_batch"], spec["updates"]))
+    assert counts["optimiser_steps"] == raw["model"]["update"]["updates_per_rollout"] == 4 and counts["rows"] == 16 == rows
+    assert spec["rollout"]["max_turns"] == rollout["max_turns"] and spec["rollout"]["topk"] == rollout["topk"]
+    assert spec["reward"]["class"] == "lldslight.rewards.ExactMatchReward"  # the recipe's reward: none given, exact match
+
+
+def test_linear_names_spell_out_all_linear_as_the_policy_does():
+    """peft refuses "all-linear" with layers_to_transform: TRL's side gets the names, which must be
+    those of the adapter lldslight builds for the same config (its LoRA modules, read from a real
+    policy here) and, for SmolLM2 (Llama), the 7 projections."""
+    from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, resolve_model_dir
+
+    lab = load_benchmark("step_lab")
+    model_dir = str(resolve_model_dir(PolicyConfig(model="smollm2-135m-instruct"), weights=False))
+    names = lab.linear_names(model_dir)
+    assert names == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    from conftest import TINY_DIMS
+
+    model, _ = load_policy(PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(TINY_DIMS, num_hidden_layers=3),
+                                        lora=LoRAConfig(r=2, alpha=4, layers_to_transform=[2]), gradient_checkpointing=False))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and ".layers.2." in n}
+    assert adapted == set(names)
+
+
+def test_workload_and_lab_rollout_arguments(step):
+    assert step.lab_rollout_overrides(["greedy=true", "top_k=5"]) == {"greedy": True, "top_k": 5}
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        step.lab_rollout_overrides(["greedy"])
+    with pytest.raises(SystemExit, match="--lab-rollout no_such_setting: not a rollout setting"):
+        step.lab_rollout_overrides(["no_such_setting=1"])
+    with pytest.raises(SystemExit) as exit_:
+        step.main(["--workload", "multi"])
+    assert exit_.value.code == 2  # argparse's refusal of a value outside the choices
+    with pytest.raises(SystemExit, match="the lab workload runs lldslight, lldslight-today, trl"):
+        step.main(["--workload", "lab", "--only", "lldslight-auto"])
+
+
+def _fake_worker(step, step_s: dict, seen: list):
+    def fake(side, python, spec, timeout):
+        seen.append((spec.get("workload"), side))
+        load = {"wall_s": 1.0, "other_cpu_s": 0.0, "own_cpu_s": 1.0, "steal_s": 0.0, "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}
+        figures = {k: 1.0 for k in step.PER_STEP + step.PEAKS}
+        if spec.get("workload") == "lab":
+            figures.update(searches=12, obs_tokens=900, retrieval_s=0.01)
+        figures.update(step_s=step_s[(spec.get("workload"), side)], rows=16, load=load, lengths=[10] * 16, loss_tokens=8)
+        return {"steps": [figures], "peak_rss_mb": 1.0, "wall_s": 1.0, "trainable_params": 1}
+    return fake
+
+
+def test_both_workloads_report_ratios_against_trl_and_today(step, tmp_path, monkeypatch):
+    """--workload both, workers faked (3 s shipped, 6 s today, 8 s TRL on the lab; 2 s / 4 s on the
+    single workload): the single workload's figures stay where they were, the lab's go under "lab"
+    with its ratio to TRL and to today's lldslight, and the closing note says both against 0.5x."""
+    step_s = {("single", "lldslight"): 2.0, ("single", "trl"): 4.0,
+              ("lab", "lldslight"): 3.0, ("lab", "lldslight-today"): 6.0, ("lab", "trl"): 8.0}
+    seen: list = []
+    lab_spec = {"recipe": "r.yaml", "prompts": [{"id": str(i)} for i in range(4)], "group_size": 4, "updates": 4, "micro_batch": 4, "model_dir": "m",
+                "rollout": {"max_turns": 1, "max_new_tokens": 40, "topk": 2, "max_response_tokens": 220},
+                "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "layers_to_transform": [22, 29],
+                         "linear_modules": ["q_proj"]}}
+    monkeypatch.setattr(step, "run_worker", _fake_worker(step, step_s, seen))
+    monkeypatch.setattr(step, "ensure_trl_venv", lambda python: "python")
+    monkeypatch.setattr(step, "lab_spec", lambda args, precision, rollout: dict(lab_spec, workload="lab"))
+    out = tmp_path / "step.json"
+    step.main(["--workload", "both", "--rounds", "1", "--threads", "1", "--precision", "bf16", "--no-bounds",
+               "--lldslight-checkpointing", "on", "--shared-prefix", "on", "--json", str(out)])
+    assert seen == [("single", "lldslight"), ("single", "trl"), ("lab", "lldslight"), ("lab", "lldslight-today"), ("lab", "trl")]
+    report = json.loads(out.read_text())
+    assert report["precisions"]["bf16"]["threads"]["1"]["step_time_ratio"] == pytest.approx(0.5)
+    lab = report["lab"]["precisions"]["bf16"]["threads"]["1"]
+    assert lab["step_time_ratio"] == pytest.approx(3 / 8) and lab["today_ratio"] == pytest.approx(3 / 6)
+    assert lab["step_time_ratio_today"] == pytest.approx(6 / 8)
+    assert lab["sides"]["trl"]["searches"]["median"] == 12 and set(lab["today_ratios"]) == set(step.TODAY_KEYS)
+    assert report["lab"]["trl"]["batch"]["num_iterations"] == 1 and report["lab"]["what_differs"]
+    assert "cpu_flags_simd" in report["machine"]
+    note = report["closing_note"]
+    assert note[0].startswith("bf16, 1 thread(s): step ratio 0.500 = 1.00x the 0.5x target (met);")
+    assert note[1] == ("lab, bf16, 1 thread(s): step ratio vs TRL 0.375 = 0.75x the 0.5x target (met); step ratio vs today's "
+                       "lldslight 0.500 = 1.00x the 0.5x target (met); today's lldslight vs TRL 0.750;")
+
+
+class _ScriptedRollout:
+    """SearchR1Rollout with its decoder replaced by scripted turns (one list of texts per turn)."""
+
+    @staticmethod
+    def make(lab, spec, tokenizer, script):
+        calls = []
+
+        class Scripted(lab.SearchR1Rollout):
+            def decode_turn(self, trainer, rows, budget):
+                turn = script[len(calls)]
+                calls.append((rows, budget))
+                return [tokenizer(turn[i], add_special_tokens=False)["input_ids"] for i in range(len(rows))]
+
+        return Scripted(spec, tokenizer), calls
+
+
+def test_trl_search_loop_plays_the_protocol(synth_kb, bm25):
+    """TRL's rollout_func on scripted turns: a search gets the retrieved passages and a second turn,
+    an answer ends the rollout, anything else gets the invalid-action message and a second turn;
+    passages and messages are masked out of the loss; the reward sees the model's actions only."""
+    from lldslight.policy import PolicyConfig, load_tokenizer
+    from lldslight.rollout.protocol import INVALID_ACTION, format_observation, observation_ids, prompt_token_ids
+
+    lab = load_benchmark("step_lab")
+    tok = load_tokenizer(PolicyConfig(model="smollm2-135m-instruct"))
+    spec = {"rollout": {"max_turns": 1, "max_new_tokens": 40, "max_obs_tokens": 120, "max_response_tokens": 220, "topk": 2},
+            "retriever": {"class": "lldslight.retrieval.bm25.BM25Retriever", "corpus": str(synth_kb["corpus"]), "settings": bm25.index_settings()},
+            "reward": {"class": "lldslight.rewards.ExactMatchReward", "kwargs": {}}}
+    from pathlib import Path
+
+    entity = json.loads(Path(synth_kb["corpus"]).read_text().splitlines()[0])["contents"].split("\n")[0]  # a title BM25 finds
+    turn1 = [f"<search> {entity} </search>", "<answer> Rome </answer>", "I think so."]
+    turn2 = ["<answer> Paris </answer>", "<answer> Oslo </answer>"]  # for the rows still going: 0 and 2
+    rollout, calls = _ScriptedRollout.make(lab, spec, tok, [turn1, turn2])
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+    out = rollout(prompts, trainer=None)
+
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    passages = observation_ids(tok, format_observation(bm25.search([entity], 2)[0]), 120)
+    invalid = observation_ids(tok, INVALID_ACTION, 120)
+    assert out["prompt_ids"] == [prompt_token_ids(tok, p) for p in prompts]
+    assert out["completion_ids"][0] == ids(turn1[0]) + passages + ids(turn2[0])
+    assert out["completion_ids"][1] == ids(turn1[1])
+    assert out["completion_ids"][2] == ids(turn1[2]) + invalid + ids(turn2[1])
+    assert out["env_mask"][0] == [1] * len(ids(turn1[0])) + [0] * len(passages) + [1] * len(ids(turn2[0]))
+    assert out["env_mask"][2] == [1] * len(ids(turn1[2])) + [0] * len(invalid) + [1] * len(ids(turn2[1]))
+    # the second turn continues the rows that did not answer, from prompt + first turn + observation
+    assert calls[1][0] == [out["prompt_ids"][0] + ids(turn1[0]) + passages, out["prompt_ids"][2] + ids(turn1[2]) + invalid]
+    assert calls[0][1] == calls[1][1] == 40
+    assert rollout.stats["searches"] == 1 and rollout.stats["obs_tokens"] == len(passages) + len(invalid)
+    reward = lab.trl_reward(spec)
+    got = reward(None, out["actions"], [["Paris"], ["Rome"], ["Paris"]], ["q"] * 3, ["d"] * 3)
+    assert got == [1.0, 1.0, 0.0]  # row 2 answered Oslo; the invalid-action message's own <answer> tags are not the model's
+
+
+def test_turn_end_cuts_after_the_stop_tag_or_eos(synth_kb, bm25):
+    from lldslight.policy import PolicyConfig, load_tokenizer
+
+    lab = load_benchmark("step_lab")
+    tok = load_tokenizer(PolicyConfig(model="smollm2-135m-instruct"))
+    spec = {"rollout": {}, "retriever": {"class": "lldslight.retrieval.bm25.BM25Retriever", "corpus": str(synth_kb["corpus"]),
+                                         "settings": bm25.index_settings()}}
+    rollout = lab.SearchR1Rollout(spec, tok)
+    ids = tok("<search> the river </search> and then more words", add_special_tokens=False)["input_ids"]
+    cut = rollout.turn_end(ids)
+    assert tok.decode(ids[:cut]).rstrip().endswith("</search>") and "</search>" not in tok.decode(ids[: cut - 1])
+    assert rollout.turn_end(ids[:3] + [tok.eos_token_id] + ids[3:]) == 4
+    plain = tok("no tags at all here", add_special_tokens=False)["input_ids"]
+    assert rollout.turn_end(plain) == len(plain)
