@@ -406,7 +406,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--name", default=None, help="the experiment's name: runs in runs/lab/NAME, archive in lab/archive/collapse/NAME")
     parser.add_argument("--smoke", action="store_true", help="tiny random model, sft warm start, 2 arms x 1 seed: proves the pipeline")
     parser.add_argument("--recipe", default=None, help=f"base config (default {DEFAULT_RECIPE}; {SMOKE_RECIPE} with --smoke)")
-    parser.add_argument("--arms-dir", default="lab/configs/arms", help="one YAML per arm (default lab/configs/arms)")
+    parser.add_argument("--arms-dir", default=None,
+                        help="one YAML per arm (default lab/configs/arms; --report-only: the folder the set recorded)")
     parser.add_argument("--arms", nargs="+", default=None, help=f"arm names (default {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--baseline", default=None, help="the arm the others are tested against (default: the first of --arms)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default 0 1 2; 0 with --smoke)")
@@ -435,6 +436,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("collapse: give --name (or --out and --archive)")
     out = (ROOT / (args.out or f"runs/lab/{name}")).resolve()
     archive = (ROOT / (args.archive or f"{ARCHIVE}/{name}")).resolve()
+    previous = archive / "collapse.json"
+    recorded = json.loads(previous.read_text())["meta"] if args.report_only and previous.is_file() else {}
+    # A report labels each arm from its file: a set run from another arms folder records it.
+    args.arms_dir = args.arms_dir or recorded.get("arms_dir") or "lab/configs/arms"
     available = arms_in(ROOT / args.arms_dir)
     labels = {k: v[0] for k, v in available.items()}
 
@@ -448,8 +453,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"collapse: --report-only reports every archived run of {archive} as archived: "
                              f"{', '.join(ignored)} would be ignored; leave {'it' if len(ignored) == 1 else 'them'} out "
                              "(to run other arms or seeds, drop --report-only)")
-        previous = archive / "collapse.json"
-        meta = json.loads(previous.read_text())["meta"] if previous.is_file() else {}
+        meta = recorded
         # A set is filled by several invocations (a lab spans sessions): report every archived run,
         # the last invocation's arms first (its first arm is the baseline).
         archived = {(p.parent.name, int(p.name[4:])) for p in archive.glob("*/seed*") if (p / "metrics.csv.gz").is_file()}
@@ -498,7 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     archive.mkdir(parents=True, exist_ok=True)
     meta = {"invocation": "python lab/collapse.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-            "recipe": recipe, "arms": arms, "seeds": seeds, "baseline": args.baseline or arms[0], "horizon": horizon, "jobs": args.jobs,
+            "recipe": recipe, "arms_dir": args.arms_dir, "arms": arms, "seeds": seeds, "baseline": args.baseline or arms[0], "horizon": horizon, "jobs": args.jobs,
             "threads": args.threads, "steps": args.steps, "extra_configs": args.extra_configs, "overrides": overrides,
             "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_at_start": os.getloadavg()}
     t0 = time.perf_counter()

@@ -627,6 +627,49 @@ def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     assert f"at 5e-4, {collapsed['5e-4']} of 3 collapsed" in row
 
 
+@pytest.mark.skipif(not (REAL_LM / "grpo_1e-3").is_dir(), reason="Stage A's round 2 is not archived")
+def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
+    """Round 2 (GRPO at 1e-3): each run's row, Stage A's verdict and Stage B's horizon by the
+    registered rules, the tool-call death's steps, the drifts and likelihoods the page quotes, and
+    the README and results rows."""
+    text = page("docs", "collapse_lab.md")
+    seeds = (1, 2, 3)
+    runs = {s: REAL_LM / "grpo_1e-3" / f"seed{s}" for s in seeds}
+    start = {}
+    for seed, run in runs.items():
+        assert len(_by_step(run, "train/reward")) == 100, f"{run}: not a complete 100-step run"
+        start[seed] = _collapse_start(run, hold=30)
+        cells = [str(start[seed]) if start[seed] is not None else "none"]
+        for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
+            cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
+        assert f"| 1e-3, seed {seed} | " + " | ".join(cells) + " |" in text, (seed, cells)
+    assert all(v is not None for v in start.values())
+    assert "round 2, **1e-3 collapses (3 of 3)**" in text
+    median = statistics.median(start.values())  # Stage B's H: max(100, 2 x median), held runs at 100
+    horizon = max(100, -(-2 * median // 10) * 10)
+    assert f"max(100, 2 x the median collapse step at 1e-3, {median}) = **{horizon}**" in text and horizon == 100
+    # the tool-call death: the first step from which every later step's tool-call rate is below 0.5
+    dead = {}
+    for seed, run in runs.items():
+        tool = _by_step(run, "diag/tool_call_rate")
+        dead[seed] = min(s for s in sorted(tool) if all(tool[t] < 0.5 for t in tool if t >= s))
+        assert _window_mean(run, "diag/tool_call_rate", 80, 100) < 0.005
+    assert f"(seed 2 from step {dead[2]}, seed 1 from step {dead[1]}, seed 3 from step {dead[3]})" in text
+    kl = {seed: _by_step(run, "drift/kl_k3_last") for seed, run in runs.items()}
+    assert f"KL {kl[2][12]:.3f} and {kl[2][14]:.3f} at steps 12 and 14" in text
+    assert f"against {statistics.median(kl[2].values()):.3f} over the run, median" in text
+    assert f"({kl[1][0]:.3f} at step 0; {max(kl[3][s] for s in range(dead[3])):.3f} at step 36)" in text
+    assert max(range(dead[3]), key=lambda s: kl[3][s]) == 36
+    pos = {s: f"{_window_mean(runs[s], 'lld/logp_pos', 0, 10):.2f} -> {_window_mean(runs[s], 'lld/logp_pos', dead[s] - 10, dead[s]):.2f}" for s in seeds}
+    assert f"(`lld/logp_pos` {pos[1]} and {pos[3]}) and held in seed 2 ({pos[2]})" in text
+    shared = [_window_mean(runs[s], "lld/neg_shared_share", a, b) for s in seeds for a, b in ((0, 10), (dead[s] - 10, dead[s]))]
+    assert f"with {min(shared):.2f}-{max(shared):.2f} of the negative responses' tokens in a prefix shared" in text
+    steps = ", ".join(str(v) for v in sorted(start.values()))
+    assert f"at 1e-3, 3 of 3 stopped calling the search tool (collapse steps {steps})" in _readme_row("GRPO collapses on a real LM too")
+    results = page("docs", "results.md")
+    assert f"3 of 3 at 1e-3 (steps {steps}: stopped searching)" in results
+
+
 C3_PILOT = LAB / "c3_pilot_1e-3"
 
 
