@@ -540,7 +540,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for (arm, seed) in todo:
         new_runs.setdefault(f"{arm}/seed{seed}", {})["machine_kind"] = {
             **kind, "init": policy_of.get(seed), "init_digest": (meta.get("inits") or {}).get(policy_of.get(seed))}
-    meta["runs"] = {**{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
+    # Every run of the set keeps its entry, those of earlier invocations with other arms or seeds too
+    # (a set filled round by round once kept only its last round's machine kinds and CPU times).
+    meta["runs"] = {**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold

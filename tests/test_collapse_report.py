@@ -151,3 +151,25 @@ def test_reward_baseline_fires_when_the_condition_starts(tmp_path) -> None:
     (run,) = ev.load_runs([str(tmp_path)])
     # trailing-20 at t >= 80: (0.8 (99 - t) + 0.55 (t - 79)) / 20 < 0.85 x 0.8 <=> t > 88.6 -> first at 89
     assert ev.reward_warnings(run) == [89]
+
+
+def test_a_set_filled_in_rounds_keeps_every_runs_entry(collapse, tmp_path, monkeypatch) -> None:
+    """Two invocations into one set (round 1: arm grpo; round 2: arm llds): the set's collapse.json
+    still holds round 1's run entries (machine kind, CPU time) after round 2."""
+    archive, out = tmp_path / "archive", tmp_path / "runs"
+
+    def fake_run_all(commands, out, archive, jobs, threads):  # each run "finishes" with known metrics
+        runs = {}
+        for arm, seed in commands:
+            archived(archive / arm / f"seed{seed}", [0.5] * 40)
+            runs[f"{arm}/seed{seed}"] = {"wall_s": 60.0, "cpu_s": 50.0 + seed}
+        return runs
+
+    monkeypatch.setattr(collapse, "run_all", fake_run_all)
+    monkeypatch.setattr(collapse, "weights_digest", lambda directory: "d0")
+    common = ["--seeds", "1", "2", "--steps", "40", "--no-build", "--inits", "policy", "--out", str(out), "--archive", str(archive)]
+    assert collapse.main(["--arms", "grpo", *common]) == 0
+    assert collapse.main(["--arms", "llds", *common]) == 0
+    runs = json.loads((archive / "collapse.json").read_text())["meta"]["runs"]
+    assert sorted(runs) == ["grpo/seed1", "grpo/seed2", "llds/seed1", "llds/seed2"]
+    assert runs["grpo/seed2"]["cpu_s"] == 52.0 and runs["grpo/seed1"]["machine_kind"]["init_digest"] == "d0"
