@@ -728,10 +728,10 @@ def b_report(lab: Path = LAB) -> dict:
     if meta and meta.get("horizon") not in (None, B_HORIZON):
         raise SystemExit(f"confirmatory: {B_NAME}: horizon {meta['horizon']}, registered {B_HORIZON} (PREREGISTRATION_real_lm_B.md)")
     counts = {arm: {"archived": len(outcomes[(arm, B_RATE)]), "registered": len(B_SEEDS)} for arm in B_ARMS}
-    runs = [{"arm": a, "seed": s, **o, "machine_kind": kinds[(a, r)][s]} for (a, r), by in outcomes.items() for s, o in sorted(by.items())]
     if missing:
         return {"status": "partial", "counts": counts, "missing": missing,
                 "note": "partial: no test computed (PREREGISTRATION_real_lm_B.md: none on a partial set; counts only)"}
+    runs = [{"arm": a, "seed": s, **o, "machine_kind": kinds[(a, r)][s]} for (a, r), by in outcomes.items() for s, o in sorted(by.items())]
     across = pairs_across_machines(kinds, ("grpo", B_RATE), [("llds", B_RATE), ("stable", B_RATE)])
     if across:
         raise SystemExit(f"confirmatory: {B_NAME}: seeds {across} ran their arms on different machine kinds (registered: one kind per seed)")

@@ -590,6 +590,15 @@ def _window_mean(run: Path, key: str, first: int, last: int) -> float:
     return statistics.mean(window)
 
 
+def _stage_a_row(label: str, run: Path, start: int | None) -> str:
+    """One row of docs/collapse_lab.md's Stage A table: the collapse step, then each column's first-20
+    -> last-20 mean."""
+    cells = [str(start) if start is not None else "none"]
+    for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
+        cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
 @pytest.mark.skipif(not REAL_LM.is_dir(), reason="Stage A is not archived")
 def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     """docs/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
@@ -601,10 +610,8 @@ def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     for (arm, seed), run in runs.items():
         assert len(_by_step(run, "train/reward")) == 100, f"{run}: not a complete 100-step run"
         start = _collapse_start(run, hold=30)
-        cells = [str(start) if start is not None else "none"]
-        for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
-            cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
-        assert f"| {arm}, seed {seed} | " + " | ".join(cells) + " |" in text, (arm, seed, cells)
+        row = _stage_a_row(f"{arm}, seed {seed}", run, start)
+        assert row in text, row
     early = {k: max(_by_step(r, "drift/kl_k3_last")[s] for s in range(5)) for k, r in runs.items()}
     assert (f"reached {early[('2e-3', 1)]:.3f}, {early[('2e-3', 2)]:.3f} and {early[('2e-3', 3)]:.3f} within the first five steps" in text
             and f"({early[('5e-4', 1)]:.3f}, {early[('5e-4', 2)]:.3f}, {early[('5e-4', 3)]:.3f})" in text)
@@ -639,10 +646,8 @@ def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
     for seed, run in runs.items():
         assert len(_by_step(run, "train/reward")) == 100, f"{run}: not a complete 100-step run"
         start[seed] = _collapse_start(run, hold=30)
-        cells = [str(start[seed]) if start[seed] is not None else "none"]
-        for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
-            cells.append(f"{_window_mean(run, key, 0, 20):.2f} -> {_window_mean(run, key, 80, 100):.2f}")
-        assert f"| 1e-3, seed {seed} | " + " | ".join(cells) + " |" in text, (seed, cells)
+        row = _stage_a_row(f"1e-3, seed {seed}", run, start[seed])
+        assert row in text, row
     assert all(v is not None for v in start.values())
     assert "round 2, **1e-3 collapses (3 of 3)**" in text
     median = statistics.median(start.values())  # Stage B's H: max(100, 2 x median), held runs at 100
