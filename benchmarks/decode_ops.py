@@ -4,6 +4,7 @@
     python benchmarks/decode_ops.py --precision fp32 --threads 2
     python benchmarks/decode_ops.py --sides current --rows 32 --bounds   # the library against its limits
     python benchmarks/decode_ops.py --sides peft-forward current --rows 32 --bounds
+    python benchmarks/decode_ops.py --sides current compiled --rows 32 --bounds   # rollout.compile_decode
 
 The first two changes (2026-12-02), both exact (the same tensors come out):
 
@@ -17,7 +18,10 @@ The first two changes (2026-12-02), both exact (the same tensors come out):
 The third (2026-12-05), exact too: while sampling, each LoRA Linear runs peft's operations without
 peft's per-call bookkeeping (lldslight/lora_forward.py).
 
-"previous" puts all three back (a cache that writes with ``scatter_``, peft's casts on, peft's
+"compiled" is the library with ``rollout.compile_decode: on`` (lldslight/rollout/compiled.py: the
+decode step through torch.compile); its warm-up step's wall time, which includes the compilation,
+is reported as ``compile_s`` (benchmarks/compiled_decode.py runs the grid of rows, threads and
+precisions). "previous" puts all three back (a cache that writes with ``scatter_``, peft's casts on, peft's
 forward); "peft-forward" puts back only the third; "current" is the library as it is. The report's
 ratio is current over the other side. Both decode the same random tokens from the same prefilled cache:
 SmolLM2-135M-Instruct with LoRA r=16 on every linear layer (as benchmarks/step.py), ``--rows`` rows
@@ -132,7 +136,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", nargs="+", default=["previous", "current"], choices=["previous", "peft-forward", "current"])
+    p.add_argument("--sides", nargs="+", default=["previous", "current"], choices=["previous", "peft-forward", "current", "compiled"])
     p.add_argument("--bounds", action="store_true", help="also measure the machine's limits and report the current side against them")
     p.add_argument("--json", default=None)
     harness.add_arguments(p)
@@ -142,7 +146,7 @@ def main(argv=None) -> dict:
 
     from lldslight import lora_forward
     from lldslight.policy import LoRAConfig, PolicyConfig, cpu_description, load_policy, sampling_weights
-    from lldslight.rollout import Decoder
+    from lldslight.rollout import CompiledDecode, Decoder
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -160,6 +164,8 @@ def main(argv=None) -> dict:
         """The sampler with peft's own LoRA forward: lora_forward refuses every layer."""
         return mock.patch.object(lora_forward, "lean_forward", lambda layer: None)
 
+    compiled = CompiledDecode("on")  # one per process: compiled once, at the first warm-up step
+
     def decode(side: str) -> tuple[dict, "torch.Tensor"]:
         for layer in adapted:
             layer.cast_input_dtype_enabled = True if side == "previous" else current_casts
@@ -170,11 +176,15 @@ def main(argv=None) -> dict:
             dec(prompt, torch.arange(P).expand(S, P), P)
             t0 = time.perf_counter()
             for t in range(args.steps):
-                logits = dec.logits(dec(fed[t], torch.full((S, 1), P + t), P + t + 1)[:, -1])  # [S, V]
+                if side == "compiled":
+                    logits = compiled(dec, fed[t], torch.full((S, 1), P + t), P + t + 1)  # [S, V]
+                else:
+                    logits = dec.logits(dec(fed[t], torch.full((S, 1), P + t), P + t + 1)[:, -1])  # [S, V]
             wall = time.perf_counter() - t0
         return {"ms_per_step": wall / args.steps * 1e3, "steps": args.steps}, logits
 
     warm = {side: decode(side)[1] for side in args.sides}  # warm-up, and each side's outputs against current's
+    compile_s = compiled.first_step_s  # None unless the compiled side ran
     others = [side for side in args.sides if side != "current"] if "current" in args.sides else []
     max_diff = {side: (warm[side] - warm["current"]).abs().max().item() for side in others}
 
@@ -195,6 +205,7 @@ def main(argv=None) -> dict:
         "cpu": cpu_description(),
         "sides": {s: harness.side_summary(attempts, s, ["ms_per_step"]) for s in args.sides},
         "max_abs_logit_difference": max_diff,
+        "compile_s": compile_s,
         "cache_write_us": writes,
         "quiet": harness.quiet_summary(attempts, policy),
         "attempts": [a.to_dict() for a in attempts],
@@ -203,7 +214,8 @@ def main(argv=None) -> dict:
           f"{args.threads} thread(s); medians [min-max] of {args.rounds} alternating rounds of {args.steps} steps")
     print("| side | ms per decode step |\n|---|---|")
     labels = {"previous": "previous (scatter_ cache writes, peft input casts, peft's LoRA forward)",
-              "peft-forward": "peft-forward (peft's LoRA forward)", "current": "current"}
+              "peft-forward": "peft-forward (peft's LoRA forward)", "current": "current",
+              "compiled": "compiled (rollout.compile_decode: on)"}
     for side in args.sides:
         print(f"| {labels[side]} | {harness.fmt_spread(report['sides'][side]['ms_per_step'], '{:.1f}')} |")
     report["ratios"] = {}
@@ -211,17 +223,22 @@ def main(argv=None) -> dict:
         r = report["ratios"][side] = harness.ratio_summary(attempts, "current", side, "ms_per_step")
         print(f"current / {side}: {r['ratio_of_medians']:.2f} (per round {r['spread']['min']:.2f}-{r['spread']['max']:.2f}); "
               f"largest logit difference after {args.steps} steps: {max_diff[side]:.3g}")
-    if args.bounds and "current" in args.sides:
+    if compile_s is not None:
+        print(f"compiled: the first step (compiling the decode step) took {compile_s:.1f} s")
+    if args.bounds and {"current", "compiled"} & set(args.sides):
         shape, compute = bounds.Shape.from_config(cfg), "fp32" if args.precision == "fp32" else "bf16"
         with harness.LoadMeter() as meter:
             machine = bounds.measure(args.threads, shape, S)
             adapters_ms = adapter_matmuls_s(shape, S, 16, args.threads, compute) * 1e3
-        b = report["bounds"] = against_bounds(report["sides"]["current"]["ms_per_step"]["median"], shape, S, P, machine,
-                                              compute, adapters_ms)
         report["machine"], report["bounds_load"] = machine, meter.record.to_dict()
-        print(f"current vs this machine: physical limit {b['bound_ms']:.1f} ms (memory {b['memory_bound_ms']:.1f}, FLOPs "
-              f"{b['compute_bound_ms']:.1f}) = {b['fraction_of_bound']:.0%} of it; the Linears alone {b['linears_alone_ms']:.1f} ms, "
-              f"the adapters' matmuls alone {b['adapter_matmuls_alone_ms']:.1f} ms, outside all matmuls {b['outside_matmuls_ms']:.1f} ms")
+        for side in ("current", "compiled"):
+            if side not in args.sides:
+                continue
+            b = against_bounds(report["sides"][side]["ms_per_step"]["median"], shape, S, P, machine, compute, adapters_ms)
+            report["bounds" if side == "current" else "bounds_compiled"] = b
+            print(f"{side} vs this machine: physical limit {b['bound_ms']:.1f} ms (memory {b['memory_bound_ms']:.1f}, FLOPs "
+                  f"{b['compute_bound_ms']:.1f}) = {b['fraction_of_bound']:.0%} of it; the Linears alone {b['linears_alone_ms']:.1f} ms, "
+                  f"the adapters' matmuls alone {b['adapter_matmuls_alone_ms']:.1f} ms, outside all matmuls {b['outside_matmuls_ms']:.1f} ms")
     print("\n| cache write, one layer, one token per row (us per call) | scatter_ | index_put |\n|---|---|---|")
     for dt, w in writes.items():
         print(f"| {dt} | {w['scatter_']:.1f} | {w['index_put']:.1f} |")

@@ -10,6 +10,8 @@ token-in/token-out. One concern per file:
   (``Decoder``), public for the speed tools that measure them (benchmarks/decode_ops.py);
 - episode.py: one rollout's turns under the protocol's rules (``Episode``, ``EpisodeRules``), and
   the finished rollouts packed and scored into a Trajectory: what every backend shares;
+- compiled.py: ``CompiledDecode``, the engine's decode step through ``torch.compile``
+  (``rollout.compile_decode``), eager where it is off or fails;
 - engine.py: ``RolloutConfig`` and ``RolloutEngine``: the default backend's scheduling and sampler;
 - hf_generate.py: ``HFGenerate``, the reference backend (transformers' ``generate``, one turn per call);
 - backend.py: ``GenerationBackend``, the seam: what a backend receives and must return;
@@ -18,7 +20,7 @@ token-in/token-out. One concern per file:
 - sync.py: ``WeightSync``, the check after each update that the backend samples from the new weights.
 
 Imports go one way: backend.py and hf_generate.py import engine.py and the rest; engine.py imports
-episode.py, cache.py, protocol.py, settings.py and sync.py; episode.py imports answer.py, layout.py and
+episode.py, cache.py, compiled.py (which imports cache.py), protocol.py, settings.py and sync.py; episode.py imports answer.py, layout.py and
 protocol.py, which import none of the others; settings.py imports protocol.py, sync.py none of them.
 Inside the package they are relative, so an older copy of the package can be loaded beside this
 one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every public name is
@@ -27,6 +29,7 @@ re-exported here: ``from lldslight.rollout import X`` is the import to use.
 from .answer import answer_token_span, token_texts
 from .backend import BackendFactory, GenerationBackend
 from .cache import Decoder, RaggedCache
+from .compiled import CompiledDecode
 from .engine import RolloutConfig, RolloutEngine
 from .episode import Episode, EpisodeRules
 from .hf_generate import HFGenerate
@@ -37,6 +40,7 @@ from .sync import WeightSync
 
 __all__ = [
     "BackendFactory",
+    "CompiledDecode",
     "Episode",
     "EpisodeRules",
     "GenerationBackend",

@@ -51,16 +51,19 @@ class RaggedCache(DynamicCache):
         self.at, self.rows, self.kv_len = at, rows, kv_len
         if self.kv_len > self.capacity:
             self.capacity = max(self.kv_len + 64, int(self.kv_len * 1.5))
+            # Grown here, before the forward, not inside ``update``: a compiled decode step
+            # (compiled.py) then sees buffers of a fixed capacity and only writes into them.
+            self.k, self.v = [self._grown(k) for k in self.k], [self._grown(v) for v in self.v]
+        if rows is None and self.k and (self._every_slot is None or len(self._every_slot) != self.k[0].shape[0]):
+            self._every_slot = torch.arange(self.k[0].shape[0], device=self.k[0].device)  # one per slot count
 
     def buffers(self, key_states: Tensor, value_states: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer_idx``'s key and value buffers [S, kv_heads, C, head_dim], allocated at its
-        first forward (S = that forward's rows: the prefill's) and grown to the capacity."""
+        first forward (S = that forward's rows: the prefill's); :meth:`prepare` grows them."""
         if layer_idx == len(self.k):
             shape = (key_states.shape[0], key_states.shape[1], self.capacity, key_states.shape[-1])
             self.k.append(key_states.new_zeros(shape))
             self.v.append(value_states.new_zeros(shape))
-        if self.k[layer_idx].shape[2] < self.capacity:
-            self.k[layer_idx], self.v[layer_idx] = self._grown(self.k[layer_idx]), self._grown(self.v[layer_idx])
         return self.k[layer_idx], self.v[layer_idx]
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -71,8 +74,8 @@ class RaggedCache(DynamicCache):
         # fp32 5.3 vs 9.1 us; benchmarks/decode_ops.py, docs/speed.md).
         if self.rows is not None:
             rows = self.rows  # [B]
-        else:  # every slot: one arange per slot count, not one per layer and step
-            if self._every_slot is None or len(self._every_slot) != k.shape[0]:
+        else:  # every slot: one arange per slot count (prepare), not one per layer and step
+            if self._every_slot is None:  # the first forward: the buffers were allocated just now
                 self._every_slot = torch.arange(k.shape[0], device=k.device)
             rows = self._every_slot
         k[rows[:, None], :, self.at] = key_states.transpose(1, 2)  # indexed as [B, q, kv_heads, head_dim]
@@ -122,6 +125,11 @@ class Decoder:
         """ids, at: [B, q] token ids and their positions in slots ``rows`` (None = every slot);
         kv_len: one more than the largest position. Returns the last hidden states [B, q, D]."""
         self.cache.prepare(at, rows, kv_len)
+        return self.forward_prepared(ids, at, kv_len)
+
+    def forward_prepared(self, ids: Tensor, at: Tensor, kv_len: int) -> Tensor:
+        """:meth:`__call__` after ``self.cache.prepare(at, rows, kv_len)``: the part a compiled
+        decode step runs (compiled.py); the cache's buffers are not resized in it."""
         keys = torch.arange(kv_len, device=self.device)  # [kv_len]
         mask = keys.view(1, 1, -1) <= at.unsqueeze(-1)  # [B, q, kv_len]: its row's tokens up to itself
         if self.additive_mask:

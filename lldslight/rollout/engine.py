@@ -43,13 +43,14 @@ import torch
 from torch import Tensor, nn
 
 from lldslight.data.example import QAExample
-from lldslight.errors import require
+from lldslight.errors import require, require_choice
 from lldslight.policy import sampling_weights
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import RewardFn
 from lldslight.trajectory import Trajectory
 
 from .cache import Decoder
+from .compiled import CompileDecode, CompiledDecode
 from .episode import Episode, EpisodeRules
 from .layout import Layout
 from .protocol import prompt_token_ids
@@ -72,6 +73,11 @@ class RolloutConfig:
         top_p: nucleus sampling threshold (1.0 = off).
         top_k: top-k sampling (0 = off).
         greedy: argmax decoding (evaluation).
+        compile_decode: the decode step through ``torch.compile`` (compiled.py; docs/speed.md):
+            "off" (eager), "on" (compiled; a failure to compile raises) or "auto" (compiled where
+            it works, else eager, said once). The same tokens come out as eager's up to float
+            rounding (greedy outputs tested token for token). Prefills stay eager. The first
+            decode step of a process pays the compilation (minutes for a 30-layer model on a CPU).
     """
 
     group_size: int = 5
@@ -84,6 +90,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    compile_decode: CompileDecode = "off"
 
     def __post_init__(self) -> None:
         # One line naming the key and its range, when the config is read (not a NaN or an autograd
@@ -101,6 +108,7 @@ class RolloutConfig:
                     "an infinite temperature makes every token equally likely (the logits divided to 0)")
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", self.top_k)
+        require_choice(self.compile_decode, "rollout.compile_decode", CompileDecode)
 
 
 @dataclass
@@ -149,6 +157,7 @@ class RolloutEngine:
         self.rules = EpisodeRules(tokenizer, config, reward_fn)
         self.pad_id = self.rules.pad_id
         self.stats: dict[str, float] = {}
+        self.compiled = CompiledDecode(config.compile_decode)  # kept across calls: it compiles once
 
     def sampling_settings(self, greedy: Optional[bool] = None) -> SamplingSettings:
         """What the sampler samples with: the RolloutConfig's settings, read by :meth:`sample`
@@ -386,8 +395,7 @@ class RolloutEngine:
         feed = [fed.get(s, self.pad_id) for s in range(len(slots.rows))]
         ids = torch.tensor(feed, dtype=torch.long, device=device).unsqueeze(-1)  # [S, 1]
         at = torch.tensor(slots.length, device=device).unsqueeze(-1)  # [S, 1]
-        hidden = decoder(ids, at, max(slots.length) + 1)  # [S, 1, D]
-        slots.logits = decoder.logits(hidden[:, -1])  # [S, V]: valid on the fed slots (others refill at prefill)
+        slots.logits = self.compiled(decoder, ids, at, max(slots.length) + 1)  # [S, V]: valid on the fed slots (others refill at prefill)
         for s in fed:
             slots.length[s] += 1
         self.stats["decode_steps"] += 1
