@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The run summary counts the demo's time from here (data, warm start, training, both evaluations).
+export LLDSLIGHT_STARTED_AT="$(date +%s)"
 bin="${LLDSLIGHT_VENV:-.venv}/bin"
 # The knowledge base configs/demo.yaml trains on (its data.synthesize, out_dir .lldslight/demo_data);
 # skipped when already there.

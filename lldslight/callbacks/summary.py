@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -20,8 +21,31 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
+# A launcher that runs several commands before fit (scripts/demo.sh: data, warm start, then fit) sets
+# this to the Unix time its own work began (after set-up), so the summary can say what the whole
+# command took; fit's own wall time leaves the earlier commands out.
+STARTED_ENV = "LLDSLIGHT_STARTED_AT"
+
+
+def command_time_s(now: Optional[float] = None) -> Optional[float]:
+    """Seconds since ``$LLDSLIGHT_STARTED_AT`` (Unix time), or None where it is unset or not a time."""
+    raw = os.environ.get(STARTED_ENV)
+    try:
+        started = float(raw) if raw else None
+    except ValueError:
+        return None
+    return None if started is None else (time.time() if now is None else now) - started
+
+
+def machine_line(cpu: dict, threads: int) -> str:
+    """The CPU a run's times hold on: model, the SIMD flags that decide kernels, torch's threads."""
+    flags = [f for f in cpu.get("cpu_flags_simd", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")]
+    return f"{cpu.get('cpu_model') or 'unknown CPU'} ({', '.join(flags) or 'no AVX2'}), {threads} thread(s)"
+
+
 class RunSummary(pl.Callback):
-    """Prints dev EM before/after, searches per question, step-time split, peak RSS and wall time.
+    """Prints dev EM before/after, searches per question, step-time split, peak RSS, wall time and
+    the machine; with ``$LLDSLIGHT_STARTED_AT`` set (scripts/demo.sh does), the whole command's time.
 
     Args:
         path: where to write the JSON (default: the logger's directory / summary.json).
@@ -62,8 +86,14 @@ class RunSummary(pl.Callback):
             values = [s[key] for s in self._steps if key in s]
             return statistics.median(values) if values else float("nan")
 
+        import torch
+
+        from lldslight.policy import cpu_description
+
         summary = {
             "wall_time_s": time.perf_counter() - self._start,
+            "command_time_s": command_time_s(),
+            "machine": {**cpu_description(), "threads": torch.get_num_threads()},
             "steps": len(self._steps),
             "median_step_s": {k: median(f"time/{k}") for k in ("rollout_s", "retrieval_s", "logprob_s", "update_s")},
             "peak_rss_mb": peak_rss_mb(),
@@ -100,6 +130,10 @@ class RunSummary(pl.Callback):
         c = summary["collapse"]
         lines.append(f"collapse (docs/collapse_lab.md criteria): " + (f"yes, at step {c['step']} ({c['cause']}, {c['mode']})" if c["collapsed"] else "no"))
         lines.append(f"peak RSS: {summary['peak_rss_mb']:.0f} MiB   wall time: {summary['wall_time_s']:.0f}s")
+        if summary["command_time_s"] is not None:
+            minutes, seconds = divmod(round(summary["command_time_s"]), 60)
+            lines.append(f"the whole command after set-up: {minutes} min {seconds} s")
+        lines.append(f"machine: {machine_line(summary['machine'], summary['machine']['threads'])}")
         lines.append(f"metrics and summary.json: {out.parent}")
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "last_model_path", ""):
