@@ -19,6 +19,7 @@ the largest logit difference between the sides, and the load. The JSON holds eve
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -31,8 +32,9 @@ HERE = Path(__file__).resolve().parent
 
 def child(args: argparse.Namespace) -> None:
     """One (precision, threads): decode_ops at each rows, one process; the reports to --json."""
-    sys.path.insert(0, str(HERE))
-    import decode_ops
+    # benchmarks/decode_ops.py, beside this file (on sys.path as the script's own folder; a package
+    # member under python -m benchmarks.compiled_decode)
+    decode_ops = importlib.import_module(f"{__package__}.decode_ops" if __package__ else "decode_ops")
 
     reports = []
     for rows in args.rows:
