@@ -60,11 +60,25 @@ def test_deterministic_mode_waits_for_each_search_where_it_is_sent(engine_and_ex
     assert stats_a["decode_steps"] == stats_b["decode_steps"]
 
 
-def test_default_mode_overlaps_decoding_with_retrieval(engine_and_examples) -> None:
+class SlowRetriever:
+    """BM25 answering 0.2 s late: longer than a tiny model's decode step even on a loaded machine
+    (with the fixture's 0-30 ms a busy CPU's slower steps let every search land before the next
+    step looked, and the contrast below saw no overlap although the engine allowed it)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def search(self, queries, k):
+        time.sleep(0.2)
+        return self.inner.search(queries, k)
+
+
+def test_default_mode_overlaps_decoding_with_retrieval(engine_and_examples, bm25) -> None:
     """The contrast that lets the test above fail: by default decoding goes on while a search is out."""
     model, engine, examples = engine_and_examples
     assert not torch.are_deterministic_algorithms_enabled()
-    _, _, stats = _sample(model, engine, examples)
+    slow = RolloutEngine(engine.tokenizer, SlowRetriever(bm25), ParityReward(), engine.config)
+    _, _, stats = _sample(model, slow, examples)
     assert stats["overlap_steps"] > 0
 
 
