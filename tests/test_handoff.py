@@ -258,13 +258,15 @@ def test_a_fit_sets_only_declared_attributes(tmp_path, synth_kb, bm25):
     # RunSummary's paired EM change: the same 3 dev questions before and after, differenced by hand.
     import json
 
+    import os
+
     import torch
 
     written = json.loads((tmp_path / "summary.json").read_text())
     change = written["dev_em_change"]
     # The machine its times hold on; no launcher set a start, so no whole-command time.
     assert written["machine"]["threads"] == torch.get_num_threads() and written["machine"]["cpu_flags_simd"] is not None
-    assert written["command_time_s"] is None or "LLDSLIGHT_STARTED_AT" in __import__("os").environ
+    assert written["command_time_s"] is None or "LLDSLIGHT_STARTED_AT" in os.environ
     before = {r["question"]: r["em"] for r in module.eval_history["before"]["records"]}
     after = {r["question"]: r["em"] for r in module.eval_history["after"]["records"]}
     assert change["n"] == len(before) == 3 and change["change"] == sum(after[q] - before[q] for q in before) / 3

@@ -23,7 +23,7 @@ def test_command_time_is_absent_where_no_launcher_set_it(monkeypatch):
 def test_machine_line_names_the_cpu_its_kernel_flags_and_threads():
     xeon = {"cpu_model": "Intel(R) Xeon(R) Processor",
             "cpu_flags_simd": ["amx_bf16", "amx_int8", "amx_tile", "avx", "avx2", "avx512_bf16", "avx512f", "avx512vl", "fma"]}
-    assert machine_line(xeon, 2) == "Intel(R) Xeon(R) Processor (amx_bf16, amx_tile, avx2, avx512_bf16, avx512f), 2 thread(s)"
+    assert machine_line({**xeon, "threads": 2}) == "Intel(R) Xeon(R) Processor (amx_bf16, amx_tile, avx2, avx512_bf16, avx512f), 2 thread(s)"
     epyc_avx2 = {"cpu_model": "AMD EPYC 7B13", "cpu_flags_simd": ["avx", "avx2", "fma", "sse4_1"]}
-    assert machine_line(epyc_avx2, 1) == "AMD EPYC 7B13 (avx2), 1 thread(s)"
-    assert machine_line({"cpu_model": "", "cpu_flags_simd": ["sse4_2"]}, 4) == "unknown CPU (no AVX2), 4 thread(s)"
+    assert machine_line({**epyc_avx2, "threads": 1}) == "AMD EPYC 7B13 (avx2), 1 thread(s)"
+    assert machine_line({"cpu_model": "", "cpu_flags_simd": ["sse4_2"], "threads": 4}) == "unknown CPU (no AVX2), 4 thread(s)"

@@ -37,10 +37,11 @@ def command_time_s(now: Optional[float] = None) -> Optional[float]:
     return None if started is None else (time.time() if now is None else now) - started
 
 
-def machine_line(cpu: dict, threads: int) -> str:
-    """The CPU a run's times hold on: model, the SIMD flags that decide kernels, torch's threads."""
-    flags = [f for f in cpu.get("cpu_flags_simd", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")]
-    return f"{cpu.get('cpu_model') or 'unknown CPU'} ({', '.join(flags) or 'no AVX2'}), {threads} thread(s)"
+def machine_line(machine: dict) -> str:
+    """The CPU a run's times hold on (summary.json's ``machine``): model, the SIMD flags that decide
+    kernels, torch's threads."""
+    flags = [f for f in machine.get("cpu_flags_simd", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")]
+    return f"{machine.get('cpu_model') or 'unknown CPU'} ({', '.join(flags) or 'no AVX2'}), {machine['threads']} thread(s)"
 
 
 class RunSummary(pl.Callback):
@@ -133,7 +134,7 @@ class RunSummary(pl.Callback):
         if summary["command_time_s"] is not None:
             minutes, seconds = divmod(round(summary["command_time_s"]), 60)
             lines.append(f"the whole command after set-up: {minutes} min {seconds} s")
-        lines.append(f"machine: {machine_line(summary['machine'], summary['machine']['threads'])}")
+        lines.append(f"machine: {machine_line(summary['machine'])}")
         lines.append(f"metrics and summary.json: {out.parent}")
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "last_model_path", ""):
