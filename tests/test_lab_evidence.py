@@ -688,6 +688,88 @@ def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
     assert f"3 of 3 at 1e-3 (steps {steps}: stopped searching)" in results
 
 
+REAL_LM_B = LAB / "real_lm_B"
+B_SEEDS = range(10, 16)
+B_ARMS = ("grpo", "llds", "stable")
+
+
+def _b_complete() -> bool:
+    return all((REAL_LM_B / f"{arm}_1e-3" / f"seed{s}" / "metrics.csv.gz").is_file() for arm in B_ARMS for s in B_SEEDS)
+
+
+@pytest.mark.skipif(not _b_complete(), reason="Stage B is not complete (no figure is quoted from a partial set)")
+def test_real_lm_stage_b_recomputed_independently() -> None:
+    """Stage B (PREREGISTRATION_real_lm_B.md) from its archived metrics with this file's own code: each
+    run's collapse step under the registered rule (hold 30, H = 100), P1 and P2 as scipy's one-sided
+    Fisher exact tests (one machine kind: no strata), Holm over the two written out, C1's horizon rule,
+    the paired last-20 rewards with their t intervals and exact permutation p, the RMST point
+    differences; then every page that quotes them, and "prevented" only where the registered
+    conditions hold."""
+    horizon, hold = 100, 30
+    runs = json.loads((REAL_LM_B / "collapse.json").read_text())["meta"]["runs"]
+    # one machine kind per seed, all arms on it; and here every run on one kind (no strata)
+    kinds = {json.dumps([runs[f"{arm}_1e-3/seed{s}"]["machine_kind"][f] for f in ("cpu_model", "cpu_flags_simd")])
+             for arm in B_ARMS for s in B_SEEDS}
+    assert len(kinds) == 1, kinds
+    path = {(arm, s): REAL_LM_B / f"{arm}_1e-3" / f"seed{s}" for arm in B_ARMS for s in B_SEEDS}
+    for run in path.values():
+        assert len(_by_step(run, "train/reward")) == horizon, f"{run}: not a complete {horizon}-step run"
+    start = {k: _collapse_start(run, hold=hold) for k, run in path.items()}
+    collapsed = {k: v is not None and v + hold <= horizon for k, v in start.items()}
+    count = {arm: sum(collapsed[(arm, s)] for s in B_SEEDS) for arm in B_ARMS}
+    time = {k: start[k] if collapsed[k] else horizon for k in start}
+    p = {arm: _fisher(count["grpo"], 6, count[arm], 6) for arm in ("llds", "stable")}
+    holm = dict(zip(("llds", "stable"), _holm([p["llds"], p["stable"]])))
+    grpo_median = statistics.median(time[("grpo", s)] for s in B_SEEDS)
+    rule = grpo_median <= horizon / 2
+    final = {k: statistics.fmean(_by_step(run, "train/reward")[s] for s in range(horizon - 20, horizon)) for k, run in path.items()}
+    text, results, readme_row = page("docs", "collapse_lab.md"), page("docs", "results.md"), _readme_row("GRPO collapses on a real LM too")
+    stage_b = json.loads((REAL_LM_B / "stage_b.json").read_text())
+    for arm in B_ARMS:
+        for s in B_SEEDS:
+            assert _stage_a_row(f"{arm}, seed {s}", path[(arm, s)], start[(arm, s)] if collapsed[(arm, s)] else None) in text, (arm, s)
+    assert (f"GRPO collapsed in **{count['grpo']} of 6** seeds, GRPO + LLDS in **{count['llds']} of 6** and GRPO + the "
+            f"drift bound in **{count['stable']} of 6**") in text
+    assert f"GRPO's median time to collapse {grpo_median:g} {'<=' if rule else '>'} H / 2 = 50" in text
+    for arm, name, key in (("llds", "LLDS", "P1"), ("stable", "the drift bound", "P2")):
+        passes = holm[arm] <= 0.05
+        d = [final[(arm, s)] - final[("grpo", s)] for s in B_SEEDS]
+        mean, half = statistics.fmean(d), 2.571 * statistics.stdev(d) / 6 ** 0.5  # Student's t table, 5 df (as the analysis)
+        flips = [abs(sum(x * f for x, f in zip(d, signs))) for signs in itertools.product((1, -1), repeat=6)]
+        perm = sum(f >= abs(sum(d)) - 1e-12 for f in flips) / len(flips)
+        rmst = statistics.fmean(time[(arm, s)] for s in B_SEEDS) - statistics.fmean(time[("grpo", s)] for s in B_SEEDS)
+        rd = stage_b["claims"][arm]["rmst_difference"]  # a bootstrap: its interval quoted as computed
+        assert rd["diff"] == pytest.approx(rmst)
+        verdict = (f"{name} prevented the collapse within 100 steps" if passes and rule
+                   else f"fewer runs collapsed within 100 steps with {name}" if passes else "not supported")
+        assert f"{key} ({name}): one-sided exact p = {p[arm]:.4f}, Holm {holm[arm]:.4f}: {verdict}" in text
+        assert f"last-20 reward, {name} minus GRPO, {mean:+.3f} (95% t interval {mean - half:+.3f} to {mean + half:+.3f}; exact paired permutation p = {perm:.3f})" in text
+        assert f"RMST, {name} minus GRPO, {rmst:+.1f} steps [{rd['low']:+.1f}, {rd['high']:+.1f}]" in text
+        row = _row("R19" if arm == "llds" else "R20")
+        assert f"collapsed {count['grpo']} of 6 vs {count[arm]} of 6" in row and f"| {p[arm]:.4f} (Holm {holm[arm]:.4f}) |" in row
+        assert row.endswith(f"| {verdict} |")
+        assert f"{name} {count[arm]} of 6" in readme_row
+    assert f"Stage B: GRPO at 1e-3 {count['grpo']} of 6" in readme_row
+    # the description: the largest last-update KL before a run's collapse (or over it), the bound's
+    # median rate and updates, GRPO's collapsed run's tool death and likelihood, the shared share
+    kl = {}
+    for arm in B_ARMS:
+        tops = [max(v for s, v in _by_step(path[(arm, seed)], "drift/kl_k3_last").items() if s < time[(arm, seed)]) for seed in B_SEEDS]
+        kl[arm] = f"{min(tops):.3f}-{max(tops):.3f}"
+    assert f"was {kl['grpo']} with GRPO, {kl['llds']} with LLDS and {kl['stable']} with the bound" in text
+    lr = [statistics.median(_by_step(path[("stable", s)], "train/lr").values()) for s in B_SEEDS]
+    updates = [statistics.fmean(_by_step(path[("stable", s)], "drift/updates").values()) for s in B_SEEDS]
+    assert f"median {min(lr):.1e} to {max(lr):.1e}".replace("e-0", "e-") in text and f"applied {min(updates):.1f}-{max(updates):.1f} of the" in text
+    (fell,) = [s for s in B_SEEDS if collapsed[("grpo", s)]]
+    tool = _by_step(path[("grpo", fell)], "diag/tool_call_rate")
+    dead = min(s for s in sorted(tool) if all(tool[x] < 0.5 for x in tool if x >= s))
+    pos = f"{_window_mean(path[('grpo', fell)], 'lld/logp_pos', 0, 10):.2f} -> {_window_mean(path[('grpo', fell)], 'lld/logp_pos', start[('grpo', fell)] - 10, start[('grpo', fell)]):.2f}"
+    assert f"(seed {fell}: the tool died from step {dead}" in text and f"(`lld/logp_pos` {pos})" in text
+    shared = [_window_mean(run, "lld/neg_shared_share", 0, 10) for run in path.values()]
+    assert f"{min(shared):.2f}-{max(shared):.2f} over the first 10 steps of every run" in text
+    grpo_fell = sum(_window_mean(path[("grpo", s)], "train/reward", 80, 100) < _window_mean(path[("grpo", s)], "train/reward", 0, 20) for s in B_SEEDS)
+    assert f"fell in {['no', 'one', 'two', 'three', 'four', 'five', 'six'][grpo_fell]} of six GRPO seeds" in text
+
 C3_PILOT = LAB / "c3_pilot_1e-3"
 
 
