@@ -612,6 +612,12 @@ def _stage_a_row(label: str, run: Path, start: int | None) -> str:
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
+def _tool_death(run: Path) -> int:
+    """The first step from which every later step's tool-call rate is below 0.5 (the tool died)."""
+    tool = _by_step(run, "diag/tool_call_rate")
+    return min(s for s in sorted(tool) if all(tool[t] < 0.5 for t in tool if t >= s))
+
+
 @pytest.mark.skipif(not REAL_LM.is_dir(), reason="Stage A is not archived")
 def test_real_lm_stage_a_figures_recomputed_independently() -> None:
     """docs/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
@@ -669,8 +675,7 @@ def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
     # the tool-call death: the first step from which every later step's tool-call rate is below 0.5
     dead = {}
     for seed, run in runs.items():
-        tool = _by_step(run, "diag/tool_call_rate")
-        dead[seed] = min(s for s in sorted(tool) if all(tool[t] < 0.5 for t in tool if t >= s))
+        dead[seed] = _tool_death(run)
         assert _window_mean(run, "diag/tool_call_rate", 80, 100) < 0.005
     assert f"(seed 2 from step {dead[2]}, seed 1 from step {dead[1]}, seed 3 from step {dead[3]})" in text
     kl = {seed: _by_step(run, "drift/kl_k3_last") for seed, run in runs.items()}
@@ -761,8 +766,7 @@ def test_real_lm_stage_b_recomputed_independently() -> None:
     updates = [statistics.fmean(_by_step(path[("stable", s)], "drift/updates").values()) for s in B_SEEDS]
     assert f"median {min(lr):.1e} to {max(lr):.1e}".replace("e-0", "e-") in text and f"applied {min(updates):.1f}-{max(updates):.1f} of the" in text
     (fell,) = [s for s in B_SEEDS if collapsed[("grpo", s)]]
-    tool = _by_step(path[("grpo", fell)], "diag/tool_call_rate")
-    dead = min(s for s in sorted(tool) if all(tool[x] < 0.5 for x in tool if x >= s))
+    dead = _tool_death(path[("grpo", fell)])
     pos = f"{_window_mean(path[('grpo', fell)], 'lld/logp_pos', 0, 10):.2f} -> {_window_mean(path[('grpo', fell)], 'lld/logp_pos', start[('grpo', fell)] - 10, start[('grpo', fell)]):.2f}"
     assert f"(seed {fell}: the tool died from step {dead}" in text and f"(`lld/logp_pos` {pos})" in text
     shared = [_window_mean(run, "lld/neg_shared_share", 0, 10) for run in path.values()]
@@ -795,6 +799,12 @@ def test_c3_pilot_figures_recomputed_independently() -> None:
                 f"held {held[seed]:.2f} of steps; {updates[seed]:.1f} updates a batch; {stopped[seed]} steps stopped").replace("e-0", "e-") in text
 
 
+def _val_records(run: Path, file: str) -> dict[tuple[str, str], dict]:
+    """An archived demo evaluation's records by (data source, question), read with json and gzip."""
+    rows = json.loads(gzip.decompress((run / file).read_bytes()))["records"]
+    return {(r["data_source"], r["question"]): r for r in rows}
+
+
 def test_demo_seed0_on_the_xeon_recomputed_independently() -> None:
     """demo_studies.md's Xeon table and the README's Xeon figure: EM before/after, the paired change and
     its SE from each archived run's evaluation records, by hand; the timing from the run's summary."""
@@ -805,11 +815,7 @@ def test_demo_seed0_on_the_xeon_recomputed_independently() -> None:
     for name, (ems, change, z, answered) in expected.items():
         run = arms / name
 
-        def records(file: str) -> dict[tuple[str, str], dict]:
-            rows = json.loads(gzip.decompress((run / file).read_bytes()))["records"]
-            return {(r["data_source"], r["question"]): r for r in rows}
-
-        before, after = records("val_before_step0.json.gz"), records("val_after_step30.json.gz")
+        before, after = _val_records(run, "val_before_step0.json.gz"), _val_records(run, "val_after_step30.json.gz")
         assert before.keys() == after.keys() and len(before) == 64
         d = [after[q]["em"] - before[q]["em"] for q in before]
         mean, se = sum(d) / 64, statistics.stdev(d) / 8
@@ -834,8 +840,7 @@ def test_what_moved_demo_seed0_on_the_xeon() -> None:
     studies = page("docs", "demo_studies.md")
 
     def answers(run: Path, file: str = "val_after_step30.json.gz") -> dict[tuple[str, str], tuple]:
-        rows = json.loads(gzip.decompress((run / file).read_bytes()))["records"]
-        return {(r["data_source"], r["question"]): (r["em"], r["answered"]) for r in rows}
+        return {q: (r["em"], r["answered"]) for q, r in _val_records(run, file).items()}
 
     retest, seed0 = DEMO / "xeon_retest", DEMO / "xeon_seed0"
     before = "val_before_step0.json.gz"  # one warm start: the same answers before training in all four runs
