@@ -563,7 +563,12 @@ def c3_demo(root: Path = C3_DEMO) -> dict:
                 change = json.loads(summary.read_text()).get("dev_em_change")
                 if not change:
                     raise SystemExit(f"confirmatory: {shown(summary)}: no dev_em_change (the demo's evaluations before and after training)")
-                changes[arm][seed] = {"change": change["change"], "se": change["se"], "before": change["before"], "after": change["after"]}
+                changes[arm][seed] = {"change": change["change"], "se": change["se"], "before": change["before"], "after": change["after"],
+                                      "answered_after": (json.loads(summary.read_text()).get("dev_after") or {}).get("answered")}
+                metrics = summary.parent / "metrics.csv.gz"
+                if metrics.is_file():
+                    # The rate trajectory, the held share and the updates applied (C3.md), as for a lab run.
+                    changes[arm][seed]["controller"] = controller_figures(C.training_rows(C.read_metrics(summary.parent)))
     archived = sum(map(len, changes.values()))
     out: dict = {"archived": archived, "registered": len(C3_DEMO_ARMS) * len(C3_DEMO_SEEDS), "changes": changes}
     if archived == 0:
@@ -593,7 +598,7 @@ def c3_report(lab: Path = LAB, demo: Path = C3_DEMO) -> dict:
     if registered_missing:
         registered = sum(len(seeds) for _, _, seeds in C3_SETS.values())
         return {"status": "partial", "counts": counts, "archived": registered - len(registered_missing), "registered": registered,
-                "missing": missing, "demo": {k: demo_rep[k] for k in ("status", "archived", "registered")},
+                "missing": missing, "demo": demo_rep if demo_rep["status"] == "complete" else {k: demo_rep[k] for k in ("status", "archived", "registered")},
                 "note": "partial: no test computed (C3.md: none on a partial set; counts only)"}
     runs = [{"arm": a, "rate": r, "seed": s, **o, "machine_kind": kinds[(a, r)][s]}
             for (a, r), by_seed in outcomes.items() for s, o in sorted(by_seed.items())]
@@ -642,6 +647,9 @@ def c3_text(rep: dict) -> str:
     lines.append(f"\nDemo transfer check: {rep['demo']['archived']} of {rep['demo']['registered']} runs archived.")
     if rep["status"] == "partial":
         lines.append(f"\n{rep['archived']} of the {rep['registered']} registered runs archived; {rep['note']}.")
+        # The demo check is a registered set of its own (descriptive): complete, it is reported whole.
+        if rep["demo"]["status"] == "complete":
+            lines += ["", c3_demo_text(rep["demo"])]
         return "\n".join(lines) + "\n"
     lines += ["", "| arm | starting rate | seed | collapsed by H | time | last-100 reward | rate min / median / max | steps below 2.5e-4 "
               "| held | updates (mean) | stopped steps | drift k3, signal (median) | CPU min | machine kind |",
@@ -669,12 +677,27 @@ def c3_text(rep: dict) -> str:
                      f"{llds['mean_final_reward']:.3f}" + (f", minus GRPO at 2.5e-4 {_interval(llds['reward_vs_2.5e-4'])}" if "reward_vs_2.5e-4" in llds else "") + ".")
     else:
         lines.append(f"Optional LLDS arm: {llds['status']} ({llds['archived']} of {llds['registered']}).")
-    demo = rep["demo"]
-    if demo["status"] == "complete":
-        for arm, by_seed in demo["changes"].items():
-            lines.append(f"Demo {arm}: dev EM change " + ", ".join(f"seed {s} {c['change']:+.3f} (SE {c['se']:.3f})" for s, c in sorted(by_seed.items())) + ".")
-        lines += [f"Demo {arm} minus shipped: {_interval(d)}." for arm, d in demo["difference_vs_shipped"].items()]
+    if rep["demo"]["status"] == "complete":
+        lines.append(c3_demo_text(rep["demo"]))
     return "\n".join(lines) + "\n"
+
+
+def c3_demo_text(demo: dict) -> str:
+    """The complete demo transfer check: per arm its three dev EM changes, the paired differences
+    against the shipped demo (2 df), and per run the rate trajectory, held share and updates applied."""
+    lines = [f"Demo {arm}: dev EM change " + ", ".join(f"seed {s} {c['change']:+.3f} (SE {c['se']:.3f})" for s, c in sorted(by_seed.items())) + "."
+             for arm, by_seed in demo["changes"].items()]
+    lines += [f"Demo {arm} minus shipped: {_interval(d)}." for arm, d in demo["difference_vs_shipped"].items()]
+    lines += ["", "| demo arm | seed | dev EM before -> after | dev answered after | rate min / median / max | held | updates (mean) "
+              "| stopped steps | with signal | drift k3, signal (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, by_seed in demo["changes"].items():
+        for s, c in sorted(by_seed.items()):
+            f = c.get("controller") or {}
+            lines.append(f"| {arm} | {s} | {c['before']:.3f} -> {c['after']:.3f} | {_num(c.get('answered_after'), '.2f')} "
+                         f"| {_num(f.get('lr_min'), '.2e')} / {_num(f.get('lr_median'), '.2e')} / "
+                         f"{_num(f.get('lr_max'), '.2e')} | {_num(f.get('held_share'), '.2f')} | {_num(f.get('updates_mean'), '.2f')} "
+                         f"| {_num(f.get('stopped_steps'), 'd')} | {_num(f.get('signal_share'), '.2f')} | {_num(f.get('kl_signal_median'), '.5f')} |")
+    return "\n".join(lines)
 
 
 def b_signals(train) -> dict:

@@ -178,13 +178,19 @@ def test_the_optional_llds_arm_is_reported_beside_the_goal(conf, tmp_path):
         conf.c3_report(lab, tmp_path / "no_demo")
 
 
-def write_demo(root, changes: dict[str, list[float]]) -> None:
+def write_demo(root, changes: dict[str, list[float]], metrics=()) -> None:
+    """Each run's summary.json; the arms in ``metrics`` also log 30 steps of the preset's controller
+    columns (three periods of the hand-worked ten above)."""
     for arm, values in changes.items():
         for seed, change in zip((3, 4, 5), values):
             if change is None:
                 continue
-            (root / arm / f"seed{seed}").mkdir(parents=True)
-            summary = {"dev_em_change": {"n": 64, "before": 0.2, "after": 0.2 + change, "change": change, "se": 0.05, "z": change / 0.05}}
+            if arm in metrics:
+                write_run(root / arm / f"seed{seed}", 0.3, preset=True, steps=30)
+            else:
+                (root / arm / f"seed{seed}").mkdir(parents=True)
+            summary = {"dev_em_change": {"n": 64, "before": 0.2, "after": 0.2 + change, "change": change, "se": 0.05, "z": change / 0.05},
+                       "dev_after": {"answered": 0.5 + seed / 10}}
             (root / arm / f"seed{seed}" / "summary.json").write_text(json.dumps(summary))
 
 
@@ -192,7 +198,8 @@ def test_demo_transfer_check_by_hand(conf, tmp_path):
     """(b) - (a) per seed 0.03, 0.02, 0.04: mean 0.03, sd 0.01, half 4.303 x 0.01 / sqrt(3) = 0.024843
     (2 df); (c) - (a) -0.02 on every seed: an interval of width 0."""
     demo = tmp_path / "demo"
-    write_demo(demo, {"shipped": [0.0, 0.02, -0.02], "stable_5e-4": [0.03, 0.04, 0.02], "stable_2e-3": [-0.02, 0.0, -0.04]})
+    write_demo(demo, {"shipped": [0.0, 0.02, -0.02], "stable_5e-4": [0.03, 0.04, 0.02], "stable_2e-3": [-0.02, 0.0, -0.04]},
+               metrics=("stable_5e-4",))
     rep = conf.c3_demo(demo)
     assert rep["status"] == "complete" and rep["archived"] == 9
     b, c = rep["difference_vs_shipped"]["stable_5e-4"], rep["difference_vs_shipped"]["stable_2e-3"]
@@ -200,6 +207,16 @@ def test_demo_transfer_check_by_hand(conf, tmp_path):
     assert c["mean_diff"] == pytest.approx(-0.02) and c["low"] == pytest.approx(-0.02) and c["high"] == pytest.approx(-0.02)
     rep = conf.c3_report(make_c3(tmp_path / "lab"), demo)
     assert rep["demo"]["changes"]["stable_5e-4"][4]["change"] == pytest.approx(0.04)
+    text = conf.c3_text(rep)
+    assert "Demo stable_5e-4 minus shipped: +0.030 [+0.005, +0.055] (2 df)." in text
+    # 30 steps of the ten-step period: rates 1-5e-4 (median 3e-4), 9 held of 30, 6.9 updates, 7 of 10
+    # with signal whose KLs have median 0.001, 6 steps stopped (2 a period); a run without metrics says n/a
+    assert "| stable_5e-4 | 4 | 0.200 -> 0.240 | 0.90 | 1.00e-04 / 3.00e-04 / 5.00e-04 | 0.30 | 6.90 | 6 | 0.70 | 0.00100 |" in text
+    assert "| shipped | 3 | 0.200 -> 0.200 | 0.80 | n/a / n/a / n/a | n/a | n/a | n/a | n/a | n/a |" in text
+    # The demo check is its own set: complete, it is reported whole while the lab set is partial.
+    partial_lab = make_c3(tmp_path / "lab_partial", skip_grpo=(39,))
+    rep = conf.c3_report(partial_lab, demo)
+    assert rep["status"] == "partial" and rep["demo"]["status"] == "complete"
     assert "Demo stable_5e-4 minus shipped: +0.030 [+0.005, +0.055] (2 df)." in conf.c3_text(rep)
     # two of (c)'s seeds only: counts, no interval
     partial = tmp_path / "demo_partial"

@@ -854,3 +854,62 @@ def test_what_moved_demo_seed0_on_the_xeon() -> None:
     config = (retest / "fp_off_seed0" / "config.yaml").read_text()
     assert "frozen_prefix: false" in config and "frozen_prefix: false" not in (retest / "n60_seed0" / "config.yaml").read_text()
     assert "`--model.update.frozen_prefix false` gave 0.234 -> 0.422 (+0.188, SE 0.058)" in studies
+
+
+def test_c3_demo_transfer_check_recomputed_independently() -> None:
+    """C3's demo transfer check (C3.md): each run's dev EM change and SE from its evaluation records,
+    the arms' means and paired differences against the shipped demo with Student's t for 2 df, and
+    what the controller did from the metrics, all with json, gzip and csv (not lab/confirmatory.py);
+    the figures stability.md, results.md's R21 and the README quote."""
+    root, t975_df2 = DEMO / "c3_transfer", 4.303
+    arms, seeds = ("shipped", "stable_5e-4", "stable_2e-3"), (3, 4, 5)
+    change, dead = {}, {}
+    for arm, seed in itertools.product(arms, seeds):
+        run = root / arm / f"seed{seed}"
+        before, after = _val_records(run, "val_before_step0.json.gz"), _val_records(run, "val_after_step30.json.gz")
+        assert before.keys() == after.keys() and len(before) == 64
+        d = [after[q]["em"] - before[q]["em"] for q in before]
+        change[arm, seed] = (sum(d) / 64, statistics.stdev(d) / 8)
+        assert sum(r["em"] for r in before.values()) / 64 == pytest.approx(0.234375)  # one warm start, 2 threads
+        dead[arm, seed] = sum(r["em"] for r in after.values()) == 0 and sum(r["answered"] for r in after.values()) == 0
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["machine"]["threads"] == 2 and "amx_bf16" in summary["machine"]["cpu_flags_simd"]
+    stability, results, readme = page("docs", "stability.md"), _row("R21"), page("README.md")
+    for arm in arms:
+        quoted = " / ".join(f"{change[arm, s][0]:+.3f} ({change[arm, s][1]:.3f})" for s in seeds)
+        assert quoted in stability, arm
+    means = {arm: statistics.fmean(change[arm, s][0] for s in seeds) for arm in arms}
+    assert f"shipped {means['shipped']:+.3f} on average; preset from 5e-4 {means['stable_5e-4']:+.3f}" in results
+    assert f"from 2e-3 {means['stable_2e-3']:+.3f}" in results
+    for arm in arms[1:]:
+        diffs = [change[arm, s][0] - change["shipped", s][0] for s in seeds]
+        mean, half = statistics.fmean(diffs), t975_df2 * statistics.stdev(diffs) / 3 ** 0.5
+        assert f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" in stability, arm
+        assert f"minus shipped {mean:+.3f}, " in results and f"{mean - half:+.3f} to {mean + half:+.3f}" in results
+    # Two of the 4x runs lost every answer; none of the others did.
+    assert [k for k, v in dead.items() if v] == [("stable_2e-3", 3), ("stable_2e-3", 4)]
+    assert "2 of 3 runs ended with dev EM 0" in results and "lost 2 of 3 runs with its ceiling at 4x that rate" in readme
+    # What the controller did, from the metrics
+    lr = {k: [v for s, v in sorted(_by_step(root / k[0] / f"seed{k[1]}", "train/lr").items()) if s < 30] for k in change}
+    held = {k: _by_step(root / k[0] / f"seed{k[1]}", "drift/rate_held") for k in change if k[0] != "shipped"}
+    low = [k for k in change if k[0] == "stable_5e-4"]
+    assert [f"{statistics.median(lr[k]):.3g}" for k in low] == ["0.0005", "0.0005", "0.000496"]
+    assert "rate median 5.0e-4, 5.0e-4, 4.96e-4" in stability
+    shares = [held[k][29] / 30 for k in low]
+    assert f"held {min(shares):.2f}-{max(shares):.2f} of steps" in stability
+    assert all(v == 0 for k in low for v in _by_step(root / k[0] / f"seed{k[1]}", "drift/stopped").values())
+    kl_signal = [v for k in low for s, v in _by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()
+                 if _by_step(root / k[0] / f"seed{k[1]}", "drift/signal").get(s) == 1.0]
+    assert max(kl_signal) > 0.00081  # single batches passed the target; their median per run did not
+    medians = [statistics.median(v for s, v in _by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()
+                                 if _by_step(root / k[0] / f"seed{k[1]}", "drift/signal").get(s) == 1.0) for k in low]
+    assert f"median {min(medians):.5f}-{max(medians):.5f}" in stability and max(medians) < 0.00081
+    died = [("stable_2e-3", 3), ("stable_2e-3", 4)]
+    reward = {k: _by_step(root / k[0] / f"seed{k[1]}", "train/reward") for k in died}
+    zero_from = [min(s for s in range(30) if all(reward[k][t] == 0 for t in range(s, 30))) for k in died]
+    assert zero_from == [3, 5] and "training reward was 0 from step 3 and step 5" in stability
+    first = [v for k in died for s, v in sorted(_by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()) if s < 3]
+    assert f"drifted {min(first):.4f}-{max(first):.3f} ({min(first) / 0.00081:.0f}-{max(first) / 0.00081:.0f}x the target)" in stability
+    assert [f"{statistics.median(lr[k]):.3g}" for k in died] == ["0.00116", "0.00109"]
+    survivor = lr["stable_2e-3", 5]
+    assert f"seed 5 survived (rate {min(survivor):.1e} to {max(survivor):.0e})".replace("e-0", "e-") in stability
