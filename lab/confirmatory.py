@@ -560,11 +560,12 @@ def c3_demo(root: Path = C3_DEMO) -> dict:
         for seed in C3_DEMO_SEEDS:
             summary = root / arm / f"seed{seed}" / "summary.json"
             if summary.is_file():
-                change = json.loads(summary.read_text()).get("dev_em_change")
+                record = json.loads(summary.read_text())
+                change = record.get("dev_em_change")
                 if not change:
                     raise SystemExit(f"confirmatory: {shown(summary)}: no dev_em_change (the demo's evaluations before and after training)")
                 changes[arm][seed] = {"change": change["change"], "se": change["se"], "before": change["before"], "after": change["after"],
-                                      "answered_after": (json.loads(summary.read_text()).get("dev_after") or {}).get("answered")}
+                                      "answered_after": (record.get("dev_after") or {}).get("answered")}
                 metrics = summary.parent / "metrics.csv.gz"
                 if metrics.is_file():
                     # The rate trajectory, the held share and the updates applied (C3.md), as for a lab run.

@@ -889,26 +889,26 @@ def test_c3_demo_transfer_check_recomputed_independently() -> None:
     # Two of the 4x runs lost every answer; none of the others did.
     assert [k for k, v in dead.items() if v] == [("stable_2e-3", 3), ("stable_2e-3", 4)]
     assert "2 of 3 runs ended with dev EM 0" in results and "lost 2 of 3 runs with its ceiling at 4x that rate" in readme
-    # What the controller did, from the metrics
-    lr = {k: [v for s, v in sorted(_by_step(root / k[0] / f"seed{k[1]}", "train/lr").items()) if s < 30] for k in change}
-    held = {k: _by_step(root / k[0] / f"seed{k[1]}", "drift/rate_held") for k in change if k[0] != "shipped"}
+    # What the controller did, from the metrics (each run's columns read once)
+    run = {k: root / k[0] / f"seed{k[1]}" for k in change}
+    lr = {k: [v for s, v in sorted(_by_step(run[k], "train/lr").items()) if s < 30] for k in change}
+    kl = {k: _by_step(run[k], "drift/kl_k3_last") for k in change}
     low = [k for k in change if k[0] == "stable_5e-4"]
     assert [f"{statistics.median(lr[k]):.3g}" for k in low] == ["0.0005", "0.0005", "0.000496"]
     assert "rate median 5.0e-4, 5.0e-4, 4.96e-4" in stability
-    shares = [held[k][29] / 30 for k in low]
+    shares = [_by_step(run[k], "drift/rate_held")[29] / 30 for k in low]
     assert f"held {min(shares):.2f}-{max(shares):.2f} of steps" in stability
-    assert all(v == 0 for k in low for v in _by_step(root / k[0] / f"seed{k[1]}", "drift/stopped").values())
-    kl_signal = [v for k in low for s, v in _by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()
-                 if _by_step(root / k[0] / f"seed{k[1]}", "drift/signal").get(s) == 1.0]
-    assert max(kl_signal) > 0.00081  # single batches passed the target; their median per run did not
-    medians = [statistics.median(v for s, v in _by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()
-                                 if _by_step(root / k[0] / f"seed{k[1]}", "drift/signal").get(s) == 1.0) for k in low]
+    assert all(v == 0 for k in low for v in _by_step(run[k], "drift/stopped").values())
+    signal = {k: _by_step(run[k], "drift/signal") for k in low}
+    kl_signal = {k: [v for s, v in kl[k].items() if signal[k].get(s) == 1.0] for k in low}
+    assert max(max(v) for v in kl_signal.values()) > 0.00081  # single batches passed the target; their median per run did not
+    medians = [statistics.median(kl_signal[k]) for k in low]
     assert f"median {min(medians):.5f}-{max(medians):.5f}" in stability and max(medians) < 0.00081
     died = [("stable_2e-3", 3), ("stable_2e-3", 4)]
-    reward = {k: _by_step(root / k[0] / f"seed{k[1]}", "train/reward") for k in died}
+    reward = {k: _by_step(run[k], "train/reward") for k in died}
     zero_from = [min(s for s in range(30) if all(reward[k][t] == 0 for t in range(s, 30))) for k in died]
     assert zero_from == [3, 5] and "training reward was 0 from step 3 and step 5" in stability
-    first = [v for k in died for s, v in sorted(_by_step(root / k[0] / f"seed{k[1]}", "drift/kl_k3_last").items()) if s < 3]
+    first = [v for k in died for s, v in sorted(kl[k].items()) if s < 3]
     assert f"drifted {min(first):.4f}-{max(first):.3f} ({min(first) / 0.00081:.0f}-{max(first) / 0.00081:.0f}x the target)" in stability
     assert [f"{statistics.median(lr[k]):.3g}" for k in died] == ["0.00116", "0.00109"]
     survivor = lr["stable_2e-3", 5]
