@@ -944,12 +944,13 @@ def c3_runs() -> dict[tuple[str, str], dict[int, dict]]:
             r = {"start": start, "collapsed": start is not None and start < 1100, "last100": _last100_mean_reward(run), "n": len(steps),
                  "lr_median": statistics.median(lr[t] for t in steps),
                  "machine": (kind["cpu_model"], tuple(kind["cpu_flags_simd"]), kind["init_digest"])}
+            signal, kl, updates = _by_step(run, "drift/signal"), _by_step(run, "drift/kl_k3_last"), _by_step(run, "drift/updates")
+            r.update(kl_signal=statistics.median(kl[t] for t in steps if signal.get(t) == 1.0 and t in kl),
+                     updates=statistics.fmean(updates[t] for t in steps))
             if arm == "stable":
-                held, updates, stopped = (_by_step(run, k) for k in ("drift/rate_held", "drift/updates", "drift/stopped"))
-                signal, kl = _by_step(run, "drift/signal"), _by_step(run, "drift/kl_k3_last")
+                held, stopped = _by_step(run, "drift/rate_held"), _by_step(run, "drift/stopped")
                 r.update(below=sum(lr[t] < 2.5e-4 for t in steps) / len(steps), held=held[steps[-1]] / len(steps),
-                         updates=statistics.fmean(updates[t] for t in steps), stopped=sum(stopped[t] == 1.0 for t in steps),
-                         kl_signal=statistics.median(kl[t] for t in steps if signal.get(t) == 1.0 and t in kl))
+                         stopped=sum(stopped[t] == 1.0 for t in steps))
             out[key][s] = r
     return out
 
@@ -1001,7 +1002,11 @@ def test_c3_recomputed_independently(c3_runs) -> None:
                f"{span(key, 'kl_signal', '.5f')} |").replace("e-0", "e-")
         assert row in stability, row
     assert (f"| plain GRPO at 2.5e-4 | seeds 30-39 | {k[('grpo', '2.5e-4')]} of 10 (seed {dead}, step {fell[dead]}: stopped answering) "
-            f"| {mean_reward[('grpo', '2.5e-4')]:.3f} |") in stability
+            f"| {mean_reward[('grpo', '2.5e-4')]:.3f} | | 2.5e-4 | | | {statistics.fmean(r['updates'] for r in control.values()):g} | | "
+            f"{span(('grpo', '2.5e-4'), 'kl_signal', '.5f')} |") in stability
+    assert all(r["lr_median"] == pytest.approx(2.5e-4) for r in control.values())
+    above = all(mean_reward[key] > mean_reward[("grpo", "2.5e-4")] for key in runs if key[0] == "stable")
+    assert above and "more reward than GRPO at that rate, on average from every start, and from 1e-3 in 9 of 10 pairs" in stability and wins == 9
     assert f"that pair's difference is {d[sorted(runs[primary]).index(dead)]:+.3f}; the other nine are {min(rest):+.3f} to {max(rest):+.3f}" in stability
     assert f"the preset ended above GRPO in {wins} of 10 pairs, with a median paired difference of {statistics.median(d):+.3f}" in stability
     assert f"lower bound, {low:+.3f}, is below -0.03" in stability and (low < -0.03) != goal_met
