@@ -1030,3 +1030,25 @@ def test_c3_recomputed_independently(c3_runs) -> None:
     # the registered analysis (lab/confirmatory.py, its own code) agrees with this file's
     rep = json.loads((LAB / "c3.json").read_text())
     assert rep["goal_met"] == goal_met and rep["primary"]["mean_diff"] == pytest.approx(mean) and rep["primary"]["low"] == pytest.approx(low, abs=1e-3)
+
+
+C3_LLDS = LAB / "c3_llds_1e-3" / "stable"
+
+
+@pytest.mark.skipif(not all((C3_LLDS / f"seed{s}" / "metrics.csv.gz").is_file() for s in range(30, 35)) or not _c3_complete(),
+                    reason="C3's optional LLDS arm is not complete")
+def test_c3_llds_arm_recomputed_independently(c3_runs) -> None:
+    """C3's optional arm (the preset + LLDS from 1e-3, seeds 30-34, described only): its collapses,
+    mean last-100 reward and paired difference against GRPO at 2.5e-4 (t for 4 df written in), from
+    the metrics with the csv module; the sentence stability.md and collapse_lab.md quote."""
+    control = c3_runs[("grpo", "2.5e-4")]
+    config = json.loads((C3_LLDS.parent / "collapse.json").read_text())["meta"]
+    assert "lab/configs/arms/llds.yaml" in config["extra_configs"]
+    start = {s: _collapse_start(C3_LLDS / f"seed{s}", hold=30) for s in range(30, 35)}
+    k = sum(v is not None and v < 1100 for v in start.values())
+    last = {s: _last100_mean_reward(C3_LLDS / f"seed{s}") for s in range(30, 35)}
+    d = [last[s] - control[s]["last100"] for s in range(30, 35)]
+    mean, half = statistics.fmean(d), 2.776 * statistics.stdev(d) / 5 ** 0.5
+    quoted = (f"the preset + LLDS from 1e-3 (seeds 30-34, described only) collapsed {k} of 5, mean last-100 reward "
+              f"{statistics.fmean(last.values()):.3f}, minus GRPO at 2.5e-4 {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] (4 df)")
+    assert quoted in page("docs", "stability.md") and quoted in page("docs", "collapse_lab.md")
