@@ -96,18 +96,40 @@ def _collapsed(runs: dict[int, dict], horizon: int = 600) -> int:
     return sum(bool(s["collapsed"]) and s["step"] < horizon for s in runs.values())
 
 
-def _by_step(run: Path, key: str) -> dict[int, float]:
-    """Column ``key`` of a run's archived metrics, step -> value, read with the csv module (not
-    lldslight/science/collapse.py nor lab/heal_eval.py); a step logged on several rows keeps its last value."""
+def _columns(run: Path, keys) -> dict[str, dict[int, float]]:
+    """Columns ``keys`` of a run's archived metrics, each step -> value, in one read with the csv module
+    (not lldslight/science/collapse.py nor lab/heal_eval.py); a step logged on several rows keeps its last value."""
+    out: dict[str, dict[int, float]] = {key: {} for key in keys}
     with gzip.open(run / "metrics.csv.gz", "rt") as f:
-        return {int(float(r["step"])): float(r[key]) for r in csv.DictReader(f) if r.get("step") and r.get(key)}
+        for r in csv.DictReader(f):
+            if r.get("step"):
+                for key in keys:
+                    if r.get(key):
+                        out[key][int(float(r["step"]))] = float(r[key])
+    return out
+
+
+def _by_step(run: Path, key: str) -> dict[int, float]:
+    """Column ``key`` of a run's archived metrics, step -> value (``_columns`` for one key)."""
+    return _columns(run, (key,))[key]
+
+
+def _last100(rewards: dict[int, float]) -> float:
+    """Mean of the last 100 logged steps' values."""
+    last = sorted(rewards)[-100:]
+    return sum(rewards[s] for s in last) / len(last)
 
 
 def _last100_mean_reward(run: Path) -> float:
     """Mean train/reward over the last 100 logged steps."""
-    rewards = _by_step(run, "train/reward")
-    last = sorted(rewards)[-100:]
-    return sum(rewards[s] for s in last) / len(last)
+    return _last100(_by_step(run, "train/reward"))
+
+
+def _t_interval(d: list[float], t975: float) -> tuple[float, float, float]:
+    """The mean of paired differences ``d`` with its 95% t interval, Student's t quantile given."""
+    mean = statistics.fmean(d)
+    half = t975 * statistics.stdev(d) / len(d) ** 0.5
+    return mean, mean - half, mean + half
 
 
 def _paired_set(name: str, other: str) -> dict:
@@ -936,19 +958,18 @@ def c3_runs() -> dict[tuple[str, str], dict[int, dict]]:
         out[key] = {}
         for s in seeds:
             run = LAB / name / arm / f"seed{s}"
-            reward = _by_step(run, "train/reward")
+            col = _columns(run, ("train/reward", "train/lr", "drift/signal", "drift/kl_k3_last", "drift/updates", "drift/rate_held", "drift/stopped"))
+            reward, lr, signal, kl, updates = (col[k] for k in ("train/reward", "train/lr", "drift/signal", "drift/kl_k3_last", "drift/updates"))
             steps = [t for t in sorted(reward) if t < 1100]
-            lr = _by_step(run, "train/lr")
             start = _collapse_start(run, hold=30)
             kind = recorded[f"{arm}/seed{s}"]["machine_kind"]
-            r = {"start": start, "collapsed": start is not None and start < 1100, "last100": _last100_mean_reward(run), "n": len(steps),
+            r = {"start": start, "collapsed": start is not None and start < 1100, "last100": _last100(reward), "n": len(steps),
                  "lr_median": statistics.median(lr[t] for t in steps),
                  "machine": (kind["cpu_model"], tuple(kind["cpu_flags_simd"]), kind["init_digest"])}
-            signal, kl, updates = _by_step(run, "drift/signal"), _by_step(run, "drift/kl_k3_last"), _by_step(run, "drift/updates")
             r.update(kl_signal=statistics.median(kl[t] for t in steps if signal.get(t) == 1.0 and t in kl),
                      updates=statistics.fmean(updates[t] for t in steps))
             if arm == "stable":
-                held, stopped = _by_step(run, "drift/rate_held"), _by_step(run, "drift/stopped")
+                held, stopped = col["drift/rate_held"], col["drift/stopped"]
                 r.update(below=sum(lr[t] < 2.5e-4 for t in steps) / len(steps), held=held[steps[-1]] / len(steps),
                          stopped=sum(stopped[t] == 1.0 for t in steps))
             out[key][s] = r
@@ -973,9 +994,7 @@ def test_c3_recomputed_independently(c3_runs) -> None:
     def paired(key: tuple[str, str]) -> tuple[float, float, float, list[float]]:
         seeds = sorted(runs[key])
         d = [runs[key][s]["last100"] - control[s]["last100"] for s in seeds]
-        mean = statistics.fmean(d)
-        half = t975[len(d) - 1] * statistics.stdev(d) / len(d) ** 0.5
-        return mean, mean - half, mean + half, d
+        return (*_t_interval(d, t975[len(d) - 1]), d)
 
     mean, low, high, d = paired(primary)
     goal_met = all(k[key] == 0 for key in runs if key[0] == "stable") and mean >= 0 and low > -0.03
@@ -1048,7 +1067,7 @@ def test_c3_llds_arm_recomputed_independently(c3_runs) -> None:
     k = sum(v is not None and v < 1100 for v in start.values())
     last = {s: _last100_mean_reward(C3_LLDS / f"seed{s}") for s in range(30, 35)}
     d = [last[s] - control[s]["last100"] for s in range(30, 35)]
-    mean, half = statistics.fmean(d), 2.776 * statistics.stdev(d) / 5 ** 0.5
+    mean, low, high = _t_interval(d, 2.776)
     quoted = (f"the preset + LLDS from 1e-3 (seeds 30-34, described only) collapsed {k} of 5, mean last-100 reward "
-              f"{statistics.fmean(last.values()):.3f}, minus GRPO at 2.5e-4 {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] (4 df)")
+              f"{statistics.fmean(last.values()):.3f}, minus GRPO at 2.5e-4 {mean:+.3f} [{low:+.3f}, {high:+.3f}] (4 df)")
     assert quoted in page("docs", "stability.md") and quoted in page("docs", "collapse_lab.md")
