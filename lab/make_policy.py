@@ -3,7 +3,7 @@
     python lab/make_policy.py --config lab/configs/base.yaml --out runs/lab/policy
 
 Why: SmolLM2-135M costs ~25 s per GRPO step on 2 CPU cores, ~150 steps an hour, far too few
-updates for the death spiral (docs/collapse_lab.md, "An earlier single-seed run"). A model of ~1-2M weights with a
+updates for the death spiral (docs/lab/collapse_lab.md, "An earlier single-seed run"). A model of ~1-2M weights with a
 vocabulary of ~2k tokens trained on the synthetic knowledge base alone takes well under a second
 per step, so thousands of optimiser updates fit in an hour. With SmolLM2's 49k vocabulary the LM
 head alone would be ~6M weights, hence the tokenizer.

@@ -17,7 +17,7 @@ bin="${LLDSLIGHT_VENV:-.venv}/bin"
 # observations cut at 120 tokens): the format and copying an answer from a passage, not yet
 # answering reliably, which is what GRPO then learns. Questions that need two searches are left
 # out: cut after one search, their gold answer is not in the context, and training on them taught
-# the model to write unsupported answers (docs/demo_studies.md). Skipped when already done.
+# the model to write unsupported answers (docs/lab/demo_studies.md). Skipped when already done.
 "$bin/lldslight" sft --data .lldslight/demo_data/train.jsonl --corpus .lldslight/demo_data/corpus.jsonl \
   --out .lldslight/demo_warmstart --limit 60 --topk 2 --max-obs-tokens 120 --max-searches 1 \
   --over-budget skip --keep-unanswerable

@@ -34,7 +34,13 @@ FIT_LIKE = ("fit", "validate", "test")
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md"))]
+    """The README and the user pages and lab pages of docs/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "lab").glob("*.md"))]
+
+
+def page_name(page: Path) -> str:
+    """``page`` as the tests below name it: README.md, or its path under docs/."""
+    return page.name if page.parent == ROOT else page.relative_to(ROOT / "docs").as_posix()
 
 
 def fenced_blocks(text: str, languages: tuple[str, ...]) -> list[str]:
@@ -145,10 +151,10 @@ def test_the_extraction_finds_the_commands():
     assert not is_template(readme[-1]) and reads_runs(ROOT / "README.md")
 
 
-PAGES_WITH_RUNS = [p.name for p in pages() if reads_runs(p)]
+PAGES_WITH_RUNS = [page_name(p) for p in pages() if reads_runs(p)]
 
 
-@pytest.mark.parametrize("page", [p.name for p in pages() if not reads_runs(p) and runnable(p)])
+@pytest.mark.parametrize("page", [page_name(p) for p in pages() if not reads_runs(p) and runnable(p)])
 def test_a_pages_commands_parse(page, tmp_path, capsys):
     path = ROOT / page if page == "README.md" else ROOT / "docs" / page
     failures = run_page(path, tmp_path, capsys)
@@ -176,7 +182,7 @@ def overlay_blocks() -> list[tuple[str, int, str]]:
             cfg = yaml.safe_load(text)
             if isinstance(cfg, dict) and set(cfg) <= {"model", "data", "trainer", "seed_everything"} \
                     and "lldslight.callbacks.SearchRollout" not in text:
-                out.append((page.name, i, text))
+                out.append((page_name(page), i, text))
     return out
 
 

@@ -94,7 +94,7 @@ def test_links_out_of_docs_reach_a_copy_in_the_site(site):
     repo = site / "repo"
     plot = "lab/archive/collapse/final/collapse.png"
     assert (repo / plot).read_bytes() == (ROOT / plot).read_bytes()
-    assert 'src="../repo/lab/archive/collapse/final/collapse.png"' in (site / "collapse_lab" / "index.html").read_text()
+    assert 'src="../../repo/lab/archive/collapse/final/collapse.png"' in (site / "lab" / "collapse_lab" / "index.html").read_text()
     record = "lab/archive/collapse/PREREGISTRATION.md"
     assert (repo / (record + ".txt")).read_bytes() == (ROOT / record).read_bytes()
     data = "benchmarks/results/step_epyc_bf16.json"

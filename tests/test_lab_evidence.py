@@ -1,6 +1,6 @@
 """The committed lab evidence: every report under lab/archive/collapse/ is recomputed from its
 archived per-step metrics (``lab/collapse.py --report-only``) and must equal the committed one, and
-every figure that docs/results.md, the README's results table and docs/demo_studies.md quote is
+every figure that docs/results.md, the README's results table and docs/lab/demo_studies.md quote is
 recomputed here from the archives with this file's own code (scipy's tests, the csv module), so no
 number of the record can drift from the data it claims to summarise."""
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_c1_recomputed_independently() -> None:
     readme_row = _readme_row("LLDS prevents it where GRPO first learns")
     assert f"| {k['llds']} of 10 with LLDS vs {k['grpo']} of 10 (" in readme_row and f"p = {p:.4f}; horizon rule holds" in readme_row
     assert f"prevented the collapse within 1,100 steps (in {10 - k['llds']} of 10 seeds)" in readme_row
-    lab = page("docs", "collapse_lab.md")
+    lab = page("docs", "lab", "collapse_lab.md")
     assert f"GRPO collapsed in **{k['grpo']} of 10** seeds and GRPO + LLDS in **{k['llds']} of 10**" in lab
     assert f"gives **p = {p:.4f}** at 0.05, and GRPO's median time to collapse ({grpo_median:g})" in lab
     assert f"| mean last-100 reward | {mean['grpo']:.3f} | {mean['llds']:.3f} |" in lab
@@ -397,7 +397,7 @@ def test_alarm_numbers_are_the_validation_json() -> None:
 
 
 def test_two_search_demo_recomputed_independently() -> None:
-    """docs/demo_studies.md's two-search figures, recomputed from the archived evaluations by hand
+    """docs/lab/demo_studies.md's two-search figures, recomputed from the archived evaluations by hand
     (zip by position after sorting by question, not lldslight.evaluation.paired_change)."""
     run = DEMO / "two_searches"
 
@@ -411,7 +411,7 @@ def test_two_search_demo_recomputed_independently() -> None:
     diffs = [a - b for a, b in zip(after, before)]
     change = sum(diffs) / 64
     se = statistics.stdev(diffs) / 64 ** 0.5
-    studies = page("docs", "demo_studies.md")
+    studies = page("docs", "lab", "demo_studies.md")
     quoted = (f"dev EM {sum(before) / 64:.3f} -> {sum(after) / 64:.3f}, paired change {change:+.3f} "
               f"(SE {se:.3f}, n = 64)")
     assert quoted in studies, quoted
@@ -461,8 +461,8 @@ def _test_ems(arms: Path, seeds: range, n: int = 32) -> list[tuple[list[float], 
 
 def test_light_warmstart_demo_recomputed_independently() -> None:
     """The figures of the two registered tests of lab/archive/demo/PLAN_light_warmstart.md, in
-    docs/demo_studies.md, docs/results.md (R9, R10) and the README's row."""
-    studies = page("docs", "demo_studies.md")
+    docs/lab/demo_studies.md, docs/results.md (R9, R10) and the README's row."""
+    studies = page("docs", "lab", "demo_studies.md")
     t975 = {2: 4.303, 3: 3.182}  # Student's t tables
     first_test = DEMO / "light_warmstart"
     first_ems = _test_ems(first_test, range(4))
@@ -596,7 +596,7 @@ def test_c2_recomputed_independently(c2_runs) -> None:
     steps = {key: sorted(r[s]["start"] for s in seeds) for key, r in runs.items() if key[0] == "grpo" and key[1] != "2.5e-4"}
     median_lr = {rate: statistics.median(runs[("bound", rate)][s]["lr"] for s in seeds) for rate in ("5e-4", "1e-3")}
 
-    lab = page("docs", "collapse_lab.md")
+    lab = page("docs", "lab", "collapse_lab.md")
     for rate in ("5e-4", "1e-3"):
         assert f"**{diff[rate]:+.3f}** {interval[rate]} from {rate}" in lab.replace("\n  ", " ").replace("\\", "")
     assert f"| collapsed by H (hold 30) | **0 of 5** | **0 of 5** | 5 of 5 (steps {steps[('grpo', '5e-4')][0]}-{steps[('grpo', '5e-4')][-1]}) " \
@@ -626,7 +626,7 @@ def _window_mean(run: Path, key: str, first: int, last: int) -> float:
 
 
 def _stage_a_row(label: str, run: Path, start: int | None) -> str:
-    """One row of docs/collapse_lab.md's Stage A table: the collapse step, then each column's first-20
+    """One row of docs/lab/collapse_lab.md's Stage A table: the collapse step, then each column's first-20
     -> last-20 mean."""
     cells = [str(start) if start is not None else "none"]
     for key in ("train/reward", "train/answered_rate", "diag/tool_call_rate", "train/zero_var_groups", "train/entropy"):
@@ -642,10 +642,10 @@ def _tool_death(run: Path) -> int:
 
 @pytest.mark.skipif(not REAL_LM.is_dir(), reason="Stage A is not archived")
 def test_real_lm_stage_a_figures_recomputed_independently() -> None:
-    """docs/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
+    """docs/lab/collapse_lab.md's Stage A table and text: each completed run's collapse step under the
     registered rule (hold 30, the csv module's own implementation above), its first-20 and last-20
     means, the early drift and the likelihoods it quotes; round 1's verdict by the registered table."""
-    text = page("docs", "collapse_lab.md")
+    text = page("docs", "lab", "collapse_lab.md")
     seeds = (1, 2, 3)
     runs = {(arm, seed): REAL_LM / f"grpo_{arm}" / f"seed{seed}" for arm in ("2e-3", "5e-4") for seed in seeds}
     for (arm, seed), run in runs.items():
@@ -680,7 +680,7 @@ def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
     """Round 2 (GRPO at 1e-3): each run's row, Stage A's verdict and Stage B's horizon by the
     registered rules, the tool-call death's steps, the drifts and likelihoods the page quotes, and
     the README and results rows."""
-    text = page("docs", "collapse_lab.md")
+    text = page("docs", "lab", "collapse_lab.md")
     seeds = (1, 2, 3)
     runs = {s: REAL_LM / "grpo_1e-3" / f"seed{s}" for s in seeds}
     start = {}
@@ -750,7 +750,7 @@ def test_real_lm_stage_b_recomputed_independently() -> None:
     grpo_median = statistics.median(time[("grpo", s)] for s in B_SEEDS)
     rule = grpo_median <= horizon / 2
     final = {k: statistics.fmean(_by_step(run, "train/reward")[s] for s in range(horizon - 20, horizon)) for k, run in path.items()}
-    text, results, readme_row = page("docs", "collapse_lab.md"), page("docs", "results.md"), _readme_row("GRPO collapses on a real LM too")
+    text, results, readme_row = page("docs", "lab", "collapse_lab.md"), page("docs", "results.md"), _readme_row("GRPO collapses on a real LM too")
     stage_b = json.loads((REAL_LM_B / "stage_b.json").read_text())
     for arm in B_ARMS:
         for s in B_SEEDS:
@@ -831,7 +831,7 @@ def test_demo_seed0_on_the_xeon_recomputed_independently() -> None:
     """demo_studies.md's Xeon table and the README's Xeon figure: EM before/after, the paired change and
     its SE from each archived run's evaluation records, by hand; the timing from the run's summary."""
     arms = DEMO / "xeon_seed0"
-    text = (ROOT / "docs" / "demo_studies.md").read_text()
+    text = (ROOT / "docs" / "lab" / "demo_studies.md").read_text()
     expected = {"head_e560a33": ("0.234 -> 0.391", "+0.156 (0.051)", "3.1 SE", "0.91"),
                 "before_14790c9": ("0.234 -> 0.422", "+0.188 (0.058)", "3.2 SE", "1.00")}
     for name, (ems, change, z, answered) in expected.items():
@@ -859,7 +859,7 @@ def test_what_moved_demo_seed0_on_the_xeon() -> None:
     """The retest's diagnostic (PLAN_xeon_retest.md): seed 0 with the frozen prefix off answers every
     dev question as the run before the frozen prefix did, and seed 0 as shipped as the e560a33 run,
     compared record by record; the figures demo_studies.md quotes for it, by hand."""
-    studies = page("docs", "demo_studies.md")
+    studies = page("docs", "lab", "demo_studies.md")
 
     def answers(run: Path, file: str = "val_after_step30.json.gz") -> dict[tuple[str, str], tuple]:
         return {q: (r["em"], r["answered"]) for q, r in _val_records(run, file).items()}
@@ -1034,7 +1034,7 @@ def test_c3_recomputed_independently(c3_runs) -> None:
     drift = sorted(r["kl_signal"] for key in runs if key[0] == "stable" for r in runs[key].values())
     assert f"a median {settled[0]:.1e} to {settled[-1]:.1e} per run, from every start".replace("e-0", "e-") in stability
     assert f"at a median {drift[0]:.5f}-{drift[-1]:.5f} per run from every start" in stability
-    lab = page("docs", "collapse_lab.md")
+    lab = page("docs", "lab", "collapse_lab.md")
     assert f"**{sum(k[key] for key in runs if key[0] == 'stable')} of 20** preset runs collapsed by H: {k[primary]} of 10 from 1e-3, " \
            f"{k[('stable', '5e-4')]} of 5 from 5e-4, {k[('stable', '2e-3')]} of 5 from 2e-3" in lab
     assert f"**{text}** (95% t, 9 df)" in lab and f"{wins} of 10 pairs favour the preset, median {statistics.median(d):+.3f}" in lab
@@ -1070,4 +1070,4 @@ def test_c3_llds_arm_recomputed_independently(c3_runs) -> None:
     mean, low, high = _t_interval(d, 2.776)
     quoted = (f"the preset + LLDS from 1e-3 (seeds 30-34, described only) collapsed {k} of 5, mean last-100 reward "
               f"{statistics.fmean(last.values()):.3f}, minus GRPO at 2.5e-4 {mean:+.3f} [{low:+.3f}, {high:+.3f}] (4 df)")
-    assert quoted in page("docs", "stability.md") and quoted in page("docs", "collapse_lab.md")
+    assert quoted in page("docs", "stability.md") and quoted in page("docs", "lab", "collapse_lab.md")

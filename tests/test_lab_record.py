@@ -43,7 +43,7 @@ def test_the_record_is_the_archives_with_holm_applied(tmp_path):
         running = max(running, min(1.0, (5 - k) * raw[i]))
         holm[i] = running
     assert [r["holm_p"] for r in rows] == pytest.approx(holm)
-    # What the corrected record says in words (docs/collapse_lab.md): 5e-4 LLDS is not confirmatory.
+    # What the corrected record says in words (docs/lab/collapse_lab.md): 5e-4 LLDS is not confirmatory.
     llds = next(r for r in rows if r["set"] == "final_5e-4" and r["arm"] == "llds")
     assert llds["hold20"]["fisher_p"] < 0.05 < llds["holm_p"] and not llds["horizon_rule_holds"]
     assert llds["hold30"]["grpo"] == [4, 5] and llds["hold30"]["fisher_p"] > 0.05

@@ -1,7 +1,7 @@
 """AdaptiveRate: set the learning rate once per rollout batch from how far that batch moved the policy.
 
 The lab found the collapse here governed by off-policy drift times the rate: 8 updates per rollout
-batch at 7e-4 died where one update (the on-policy twin) or half the rate held (docs/collapse_lab.md).
+batch at 7e-4 died where one update (the on-policy twin) or half the rate held (docs/lab/collapse_lab.md).
 A fixed rate that is safe must be guessed; this callback measures the drift instead and keeps it
 near a target, as rsl_rl's "adaptive" schedule does for PPO from the KL it measures (there between
 Gaussian policies; here the token-level estimate the update logs).

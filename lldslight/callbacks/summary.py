@@ -129,7 +129,7 @@ class RunSummary(pl.Callback):
             f" + log-probs {t['logprob_s']:.1f}s + updates {t['update_s']:.1f}s"
         )
         c = summary["collapse"]
-        lines.append(f"collapse (docs/collapse_lab.md criteria): " + (f"yes, at step {c['step']} ({c['cause']}, {c['mode']})" if c["collapsed"] else "no"))
+        lines.append(f"collapse (docs/lab/collapse_lab.md criteria): " + (f"yes, at step {c['step']} ({c['cause']}, {c['mode']})" if c["collapsed"] else "no"))
         lines.append(f"peak RSS: {summary['peak_rss_mb']:.0f} MiB   wall time: {summary['wall_time_s']:.0f}s")
         if summary["command_time_s"] is not None:
             minutes, seconds = divmod(round(summary["command_time_s"]), 60)
