@@ -6,7 +6,7 @@ adapted Linear's peft forward: argument checks, the adapter-name and variant loo
 disabled branches, the input-cast check, then three module calls (base, A, B) and the dropout
 module. At decode sizes (8-32 rows) that bookkeeping costs as much as the adapter's own matmuls:
 with LoRA on every Linear of SmolLM2-135M (210 layers) it is ~8% of a bf16 decode step
-(benchmarks/decode_ops.py, docs/speed.md).
+(benchmarks/decode_ops.py, docs/lab/speed.md).
 
 ``lean_adapters`` gives each plain LoRA Linear, for the duration of a ``with`` block, a forward that
 issues the very operations peft's does for one vanilla adapter, in the same order and with the same

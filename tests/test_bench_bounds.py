@@ -168,13 +168,13 @@ def test_adapter_matmuls_run(bounds):
 def test_committed_decode_bounds_recomputed_and_quoted():
     """benchmarks/results/decode_bounds_epyc_bf16.json (decode_ops.py --bounds, 8 and 32 rows, 1 and 2 threads):
     each physical limit recomputed here from the machine figures it recorded (SmolLM2's bytes and
-    FLOPs written out by hand), and docs/speed.md's table quoting them."""
+    FLOPs written out by hand), and docs/lab/speed.md's table quoting them."""
     import json
 
     from conftest import ROOT
 
     runs = json.loads((ROOT / "benchmarks" / "results" / "decode_bounds_epyc_bf16.json").read_text())["runs"]
-    page = (ROOT / "docs" / "speed.md").read_text()
+    page = (ROOT / "docs" / "lab" / "speed.md").read_text()
     weights = 30 * 3_538_944 + 28_311_552  # multiply-adds per row: the layers' Linears and the vocabulary projection
     for rows, threads in ((8, 1), (8, 2), (32, 1), (32, 2)):
         r = runs[f"rows{rows}_threads{threads}"]
@@ -198,14 +198,14 @@ def test_committed_lean_adapter_figures_recomputed_and_quoted():
     """benchmarks/results/decode_lean_epyc_bf16.json (decode_ops.py --sides peft-forward current --bounds, 8 and 32
     rows, 1 and 2 threads): each side's median and the ratio recomputed from the kept attempts'
     raw per-run figures (statistics.median here, not the harness's summary), the two sides' logits
-    equal, every run quiet on an AVX512-BF16 CPU, and docs/speed.md's table row quoting them."""
+    equal, every run quiet on an AVX512-BF16 CPU, and docs/lab/speed.md's table row quoting them."""
     import json
     import statistics
 
     from conftest import ROOT
 
     runs = json.loads((ROOT / "benchmarks" / "results" / "decode_lean_epyc_bf16.json").read_text())["runs"]
-    page = (ROOT / "docs" / "speed.md").read_text()
+    page = (ROOT / "docs" / "lab" / "speed.md").read_text()
     for rows, threads in ((8, 1), (8, 2), (32, 1), (32, 2)):
         r = runs[f"rows{rows}_threads{threads}"]
         assert r["quiet"]["quiet"] and (r["config"]["rows"], r["config"]["threads"]) == (rows, threads)

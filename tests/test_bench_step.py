@@ -218,7 +218,7 @@ def test_machine_records_the_cpus_simd_flags(step):
 def _doc() -> str:
     from pathlib import Path
 
-    return (Path(__file__).resolve().parents[1] / "docs" / "speed.md").read_text()
+    return (Path(__file__).resolve().parents[1] / "docs" / "lab" / "speed.md").read_text()
 
 
 def _committed_bf16_medians(name: str):
@@ -237,7 +237,7 @@ def _committed_bf16_medians(name: str):
 
 
 def test_speed_doc_quotes_the_committed_bf16_json():
-    """docs/speed.md's 2026-12-04 tables, recomputed by hand from benchmarks/results/step_epyc_bf16.json's kept
+    """docs/lab/speed.md's 2026-12-04 tables, recomputed by hand from benchmarks/results/step_epyc_bf16.json's kept
     attempts (statistics.median per side, not the harness's summaries): the step per side, the
     ratios, and the split of the time saved."""
     doc = _doc()
@@ -270,7 +270,7 @@ def test_report_names_no_home_folder(step):
 
 
 def test_committed_lean_step_figures_recomputed_and_quoted():
-    """docs/speed.md's 2026-12-05 table, recomputed by hand from benchmarks/results/step_epyc_bf16_lean.json's
+    """docs/lab/speed.md's 2026-12-05 table, recomputed by hand from benchmarks/results/step_epyc_bf16_lean.json's
     kept attempts (statistics.median per side): step, ratio, generation and update per side."""
     doc = _doc()
     for threads, med in _committed_bf16_medians("step_epyc_bf16_lean.json"):

@@ -71,7 +71,7 @@ class RaggedCache(DynamicCache):
         k, v = self.buffers(key_states, value_states, layer_idx)
         # Written by index_put, not scatter_: on this CPU torch 2.13's bf16 scatter_ takes ~20x as
         # long as index_put at the decode shape (206 us against 9.6 us per call at 8 slots, 1 thread;
-        # fp32 5.3 vs 9.1 us; benchmarks/decode_ops.py, docs/speed.md).
+        # fp32 5.3 vs 9.1 us; benchmarks/decode_ops.py, docs/lab/speed.md).
         if self.rows is not None:
             rows = self.rows  # [B]
         else:  # every slot: one arange per slot count (prepare), not one per layer and step
