@@ -801,10 +801,10 @@ C3_PILOT = LAB / "c3_pilot_1e-3"
 
 @pytest.mark.skipif(not (C3_PILOT / "collapse.json").is_file(), reason="C3's pilot is not archived")
 def test_c3_pilot_figures_recomputed_independently() -> None:
-    """docs/stability.md's C3 pilot paragraph (a pipeline check, seeds 0 and 1, 100 steps from 1e-3):
+    """docs/lab/collapse_lab.md's C3 pilot paragraph (a pipeline check, seeds 0 and 1, 100 steps from 1e-3):
     the metrics the preset must log on every step, and the rate range, held share, mean updates and
     stopped steps it quotes, from the archived metrics with the csv module."""
-    text = page("docs", "stability.md")
+    text = page("docs", "lab", "collapse_lab.md")
     lr, held, updates, stopped = {}, {}, {}, {}
     for seed in (0, 1):
         run = C3_PILOT / "stable" / f"seed{seed}"
@@ -882,7 +882,7 @@ def test_c3_demo_transfer_check_recomputed_independently() -> None:
     """C3's demo transfer check (C3.md): each run's dev EM change and SE from its evaluation records,
     the arms' means and paired differences against the shipped demo with Student's t for 2 df, and
     what the controller did from the metrics, all with json, gzip and csv (not lab/confirmatory.py);
-    the figures stability.md, results.md's R21 and the README quote."""
+    the figures docs/lab/collapse_lab.md, results.md's R21 and the README quote."""
     root, t975_df2 = DEMO / "c3_transfer", 4.303
     arms, seeds = ("shipped", "stable_5e-4", "stable_2e-3"), (3, 4, 5)
     change, dead = {}, {}
@@ -896,17 +896,17 @@ def test_c3_demo_transfer_check_recomputed_independently() -> None:
         dead[arm, seed] = sum(r["em"] for r in after.values()) == 0 and sum(r["answered"] for r in after.values()) == 0
         summary = json.loads((run / "summary.json").read_text())
         assert summary["machine"]["threads"] == 2 and "amx_bf16" in summary["machine"]["cpu_flags_simd"]
-    stability, results, readme = page("docs", "stability.md"), _row("R21"), page("README.md")
+    lab, results, readme = page("docs", "lab", "collapse_lab.md"), _row("R21"), page("README.md")
     for arm in arms:
         quoted = " / ".join(f"{change[arm, s][0]:+.3f} ({change[arm, s][1]:.3f})" for s in seeds)
-        assert quoted in stability, arm
+        assert quoted in lab, arm
     means = {arm: statistics.fmean(change[arm, s][0] for s in seeds) for arm in arms}
     assert f"shipped {means['shipped']:+.3f} on average; preset from 5e-4 {means['stable_5e-4']:+.3f}" in results
     assert f"from 2e-3 {means['stable_2e-3']:+.3f}" in results
     for arm in arms[1:]:
         diffs = [change[arm, s][0] - change["shipped", s][0] for s in seeds]
         mean, half = statistics.fmean(diffs), t975_df2 * statistics.stdev(diffs) / 3 ** 0.5
-        assert f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" in stability, arm
+        assert f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]" in lab, arm
         assert f"minus shipped {mean:+.3f}, " in results and f"{mean - half:+.3f} to {mean + half:+.3f}" in results
     # Two of the 4x runs lost every answer; none of the others did.
     assert [k for k, v in dead.items() if v] == [("stable_2e-3", 3), ("stable_2e-3", 4)]
@@ -917,24 +917,24 @@ def test_c3_demo_transfer_check_recomputed_independently() -> None:
     kl = {k: _by_step(run[k], "drift/kl_k3_last") for k in change}
     low = [k for k in change if k[0] == "stable_5e-4"]
     assert [f"{statistics.median(lr[k]):.3g}" for k in low] == ["0.0005", "0.0005", "0.000496"]
-    assert "rate median 5.0e-4, 5.0e-4, 4.96e-4" in stability
+    assert "rate median 5.0e-4, 5.0e-4, 4.96e-4" in lab
     shares = [_by_step(run[k], "drift/rate_held")[29] / 30 for k in low]
-    assert f"held {min(shares):.2f}-{max(shares):.2f} of steps" in stability
+    assert f"held {min(shares):.2f}-{max(shares):.2f} of steps" in lab
     assert all(v == 0 for k in low for v in _by_step(run[k], "drift/stopped").values())
     signal = {k: _by_step(run[k], "drift/signal") for k in low}
     kl_signal = {k: [v for s, v in kl[k].items() if signal[k].get(s) == 1.0] for k in low}
     assert max(max(v) for v in kl_signal.values()) > 0.00081  # single batches passed the target; their median per run did not
     medians = [statistics.median(kl_signal[k]) for k in low]
-    assert f"median {min(medians):.5f}-{max(medians):.5f}" in stability and max(medians) < 0.00081
+    assert f"median {min(medians):.5f}-{max(medians):.5f}" in lab and max(medians) < 0.00081
     died = [("stable_2e-3", 3), ("stable_2e-3", 4)]
     reward = {k: _by_step(run[k], "train/reward") for k in died}
     zero_from = [min(s for s in range(30) if all(reward[k][t] == 0 for t in range(s, 30))) for k in died]
-    assert zero_from == [3, 5] and "training reward was 0 from step 3 and step 5" in stability
+    assert zero_from == [3, 5] and "training reward was 0 from step 3 and step 5" in lab
     first = [v for k in died for s, v in sorted(kl[k].items()) if s < 3]
-    assert f"drifted {min(first):.4f}-{max(first):.3f} ({min(first) / 0.00081:.0f}-{max(first) / 0.00081:.0f}x the target)" in stability
+    assert f"drifted {min(first):.4f}-{max(first):.3f} ({min(first) / 0.00081:.0f}-{max(first) / 0.00081:.0f}x the target)" in lab
     assert [f"{statistics.median(lr[k]):.3g}" for k in died] == ["0.00116", "0.00109"]
     survivor = lr["stable_2e-3", 5]
-    assert f"seed 5 survived (rate {min(survivor):.1e} to {max(survivor):.0e})".replace("e-0", "e-") in stability
+    assert f"seed 5 survived (rate {min(survivor):.1e} to {max(survivor):.0e})".replace("e-0", "e-") in lab
 
 
 # C3 (C3.md): (arm, starting rate) -> (set, arm folder, seeds)
@@ -1009,7 +1009,7 @@ def test_c3_recomputed_independently(c3_runs) -> None:
         values = [r[field] for r in runs[key].values()]
         return f"{format(min(values), fmt)}-{format(max(values), fmt)}"
 
-    stability = page("docs", "stability.md")
+    lab = page("docs", "lab", "collapse_lab.md")
     for key, label in ((primary, "preset from 1e-3 (primary)"), (("stable", "5e-4"), "preset from 5e-4"), (("stable", "2e-3"), "preset from 2e-3")):
         n = len(runs[key])
         diff = f"**{text}** (9 df)" if key == primary else f"{others[key[1]]} (4 df)"
@@ -1019,22 +1019,21 @@ def test_c3_recomputed_independently(c3_runs) -> None:
         row = (f"| {label} | seeds 30-{29 + n} | {collapsed} | {mean_reward[key]:.3f} | {diff} | {lr[0]:.1e} to {lr[-1]:.1e} | "
                f"{span(key, 'below', '.2f')} | {span(key, 'held', '.2f')} | {span(key, 'updates', '.2f')} | {stopped} | "
                f"{span(key, 'kl_signal', '.5f')} |").replace("e-0", "e-")
-        assert row in stability, row
+        assert row in lab, row
     assert (f"| plain GRPO at 2.5e-4 | seeds 30-39 | {k[('grpo', '2.5e-4')]} of 10 (seed {dead}, step {fell[dead]}: stopped answering) "
             f"| {mean_reward[('grpo', '2.5e-4')]:.3f} | | 2.5e-4 | | | {statistics.fmean(r['updates'] for r in control.values()):g} | | "
-            f"{span(('grpo', '2.5e-4'), 'kl_signal', '.5f')} |") in stability
+            f"{span(('grpo', '2.5e-4'), 'kl_signal', '.5f')} |") in lab
     assert all(r["lr_median"] == pytest.approx(2.5e-4) for r in control.values())
     above = all(mean_reward[key] > mean_reward[("grpo", "2.5e-4")] for key in runs if key[0] == "stable")
-    assert above and "more reward than GRPO at that rate, on average from every start, and from 1e-3 in 9 of 10 pairs" in stability and wins == 9
-    assert f"that pair's difference is {d[sorted(runs[primary]).index(dead)]:+.3f}; the other nine are {min(rest):+.3f} to {max(rest):+.3f}" in stability
-    assert f"the preset ended above GRPO in {wins} of 10 pairs, with a median paired difference of {statistics.median(d):+.3f}" in stability
-    assert f"lower bound, {low:+.3f}, is below -0.03" in stability and (low < -0.03) != goal_met
-    assert ("**Goal: met**" if goal_met else "**Goal: not met**") in stability
+    assert above and "more reward than GRPO at that rate, on average from every start, and from 1e-3 in 9 of 10 pairs" in lab and wins == 9
+    assert f"that pair's difference is {d[sorted(runs[primary]).index(dead)]:+.3f}; the other nine are {min(rest):+.3f} to {max(rest):+.3f}" in lab
+    assert f"the preset ended above GRPO in {wins} of 10 pairs, with a median paired difference of {statistics.median(d):+.3f}" in lab
+    assert f"lower bound, {low:+.3f}, is below -0.03" in lab and (low < -0.03) != goal_met
+    assert ("**Goal: met**" if goal_met else "**Goal: not met**") in lab
     settled = sorted(r["lr_median"] for key in runs if key[0] == "stable" for r in runs[key].values())
     drift = sorted(r["kl_signal"] for key in runs if key[0] == "stable" for r in runs[key].values())
-    assert f"a median {settled[0]:.1e} to {settled[-1]:.1e} per run, from every start".replace("e-0", "e-") in stability
-    assert f"at a median {drift[0]:.5f}-{drift[-1]:.5f} per run from every start" in stability
-    lab = page("docs", "lab", "collapse_lab.md")
+    assert f"a median {settled[0]:.1e} to {settled[-1]:.1e} per run, from every start".replace("e-0", "e-") in lab
+    assert f"at a median {drift[0]:.5f}-{drift[-1]:.5f} per run from every start" in page("docs", "stability.md")  # Choosing the target
     assert f"**{sum(k[key] for key in runs if key[0] == 'stable')} of 20** preset runs collapsed by H: {k[primary]} of 10 from 1e-3, " \
            f"{k[('stable', '5e-4')]} of 5 from 5e-4, {k[('stable', '2e-3')]} of 5 from 2e-3" in lab
     assert f"**{text}** (95% t, 9 df)" in lab and f"{wins} of 10 pairs favour the preset, median {statistics.median(d):+.3f}" in lab
@@ -1059,7 +1058,7 @@ C3_LLDS = LAB / "c3_llds_1e-3" / "stable"
 def test_c3_llds_arm_recomputed_independently(c3_runs) -> None:
     """C3's optional arm (the preset + LLDS from 1e-3, seeds 30-34, described only): its collapses,
     mean last-100 reward and paired difference against GRPO at 2.5e-4 (t for 4 df written in), from
-    the metrics with the csv module; the sentence stability.md and collapse_lab.md quote."""
+    the metrics with the csv module; the sentence docs/lab/collapse_lab.md quotes."""
     control = c3_runs[("grpo", "2.5e-4")]
     config = json.loads((C3_LLDS.parent / "collapse.json").read_text())["meta"]
     assert "lab/configs/arms/llds.yaml" in config["extra_configs"]
@@ -1070,4 +1069,4 @@ def test_c3_llds_arm_recomputed_independently(c3_runs) -> None:
     mean, low, high = _t_interval(d, 2.776)
     quoted = (f"the preset + LLDS from 1e-3 (seeds 30-34, described only) collapsed {k} of 5, mean last-100 reward "
               f"{statistics.fmean(last.values()):.3f}, minus GRPO at 2.5e-4 {mean:+.3f} [{low:+.3f}, {high:+.3f}] (4 df)")
-    assert quoted in page("docs", "stability.md") and quoted in page("docs", "lab", "collapse_lab.md")
+    assert quoted in page("docs", "lab", "collapse_lab.md")
