@@ -104,16 +104,23 @@ def test_every_docs_page_is_in_the_index():
 
 
 def test_readme_is_a_front_door():
-    """The two commands within the README's first 40 lines, the page short, its results table at
-    most 8 rows and linking docs/results.md."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    """The two commands within the README's first 40 lines, the page short, its results a card:
+    at most 8 rows of claim | verdict | the number | details, each row under ~160 characters and
+    linking docs/results.md, where the long form lives."""
+    readme = ROOT / "README.md"
+    lines = readme.read_text().splitlines()
     head = "\n".join(lines[:40])
     assert "bash scripts/demo.sh" in head and "bash scripts/test.sh" in head
     assert len(lines) <= 130, len(lines)
-    table = [l for l in lines if l.startswith("| ") and " | verdict |" not in l and not l.startswith("|---")]
-    verdicts = [l for l in table if l.count("|") == 6]  # claim | setting | outcome | test | verdict
-    assert 1 <= len(verdicts) <= 8, verdicts
-    assert (ROOT / "docs" / "results.md").resolve() in linked_from(ROOT / "README.md")
+    (header,) = [l for l in lines if l.startswith("| claim |")]
+    assert header == "| claim | verdict | the number | details |", header
+    rows = [l for l in lines if l.startswith("| ") and l != header]
+    assert 1 <= len(rows) <= 8 and all(l.count("|") == 5 for l in rows), rows
+    long = [f"{len(l)}: {l}" for l in rows if len(l) > 165]
+    assert not long, "card rows over ~160 characters (the detail belongs in docs/results.md):\n" + "\n".join(long)
+    results = (ROOT / "docs" / "results.md").resolve()
+    assert all(re.search(r"\]\(docs/results\.md(#[\w-]+)?\)", l) for l in rows), rows
+    assert results in linked_from(readme)
 
 
 def test_readme_commands_and_yaml(tmp_path, monkeypatch):
