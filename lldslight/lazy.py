@@ -26,24 +26,3 @@ def lazy_exports(package: str, where: dict[str, str]) -> tuple[Callable[[str], A
         return sorted(set(vars(sys.modules[package])) | set(where))
 
     return __getattr__, __dir__
-
-
-def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A deprecated module path kept importable: ``__getattr__, __dir__ = moved_module(__name__,
-    "pkg.new_name")``. Every name read through ``old`` (``from old import X``, a config's
-    ``class_path: old.X``) comes from ``new``, with a DeprecationWarning that names the new path."""
-
-    def __getattr__(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(new), name)  # AttributeError as the new module's
-        import warnings
-
-        warnings.warn(f"{old}.{name} moved to {new}.{name} ({old} is deprecated)",
-                      DeprecationWarning, stacklevel=2)
-        return value
-
-    def __dir__() -> list[str]:
-        return sorted(n for n in vars(importlib.import_module(new)) if not n.startswith("__"))
-
-    return __getattr__, __dir__

@@ -11,6 +11,4 @@
 None of them imports Lightning; the callbacks in lldslight/callbacks/ are their way into a run.
 The modules are imported by their own path (``from lldslight.science.alarm import AlarmConfig``);
 nothing is imported here, so reading a collapse verdict does not load torch or matplotlib.
-Their old paths (``lldslight.collapse``, ``lldslight.alarm``, ``lldslight.diagnostics``,
-``lldslight.plots``) still import, with a DeprecationWarning naming the new one.
 """
