@@ -403,20 +403,43 @@ def test_the_preset_composes_after_a_recipe(recipe, tmp_path, monkeypatch):
                         "--trainer.logger.init_args.save_dir", str(tmp_path)])
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, AdaptiveRate)]
     preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
-    assert (cb.rule, cb.signal_free, cb.max_scale, cb.lr_max) == ("log_pi", "hold", 1.0, math.inf)
+    assert (cb.rule, cb.signal_free, cb.max_scale, cb.lr_max, cb.start_scale) == ("log_pi", "hold", 1.0, math.inf, 0.125)
     assert cb.target_kl == cli.model.update_config.target_kl == preset["model"]["update"]["target_kl"]
     assert cli.model.update_config.updates_per_rollout >= 2
     assert cli.model.optim_config.lr == yaml.safe_load((ROOT / recipe).read_text())["model"]["optim"]["lr"]
 
 
-def test_the_c3_arm_is_the_shipped_preset():
-    """C3 tests configs/stable.yaml unchanged (lab/archive/collapse/C3.md): its arm file holds the
-    same settings, and both hold the registered target, 0.00081 with the early stop at 10x."""
+# The preset as C3 and the real-model Stage B registered it (configs/stable.yaml before its start
+# phase): their arm files must keep exactly these settings, whatever the shipped preset becomes.
+REGISTERED_PRESET = {
+    "model": {"update": {"target_kl": 0.00081, "target_kl_factor": 10.0}},
+    "trainer": {"callbacks+": [{"class_path": "lldslight.callbacks.AdaptiveRate",
+                                "init_args": {"target_kl": 0.00081, "rule": "log_pi", "lr_min": 1.0e-6}}]},
+}
+
+
+def test_the_shipped_preset_is_the_registered_one_plus_its_start_phase():
+    """configs/stable.yaml is the preset C3 tested plus start_scale 1/8 (and nothing else)."""
+    import copy
+
     import yaml
 
     from tests.conftest import ROOT
 
     preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
+    want = copy.deepcopy(REGISTERED_PRESET)
+    want["trainer"]["callbacks+"][0]["init_args"]["start_scale"] = 0.125
+    assert preset == want
+
+
+def test_the_c3_arm_is_the_registered_preset():
+    """C3 tests configs/stable.yaml as registered (lab/archive/collapse/C3.md): its arm file holds the
+    same settings, the registered target, 0.00081 with the early stop at 10x."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    preset = REGISTERED_PRESET
     arm = yaml.safe_load((ROOT / "lab/configs/arms/stable.yaml").read_text())
     assert preset == arm
     assert preset["model"]["update"] == {"target_kl": 0.00081, "target_kl_factor": 10.0}
@@ -424,15 +447,15 @@ def test_the_c3_arm_is_the_shipped_preset():
     assert controller["init_args"]["target_kl"] == 0.00081 and controller["init_args"]["rule"] == "log_pi"
 
 
-def test_the_real_model_stage_b_arms_are_the_shipped_preset_and_c1s_llds():
+def test_the_real_model_stage_b_arms_are_the_registered_preset_and_c1s_llds():
     """Stage B on the real model (lab/archive/collapse/PREREGISTRATION_real_lm_B.md) tests
-    configs/stable.yaml unchanged with its ceiling at the set's rate, and C1's LLDS arm at that rate:
+    configs/stable.yaml as registered with its ceiling at the set's rate, and C1's LLDS arm at that rate:
     each arm file is the GRPO arm's rate plus exactly the preset's (or C1's LLDS arm's) settings."""
     import yaml
 
     from tests.conftest import ROOT
 
-    preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
+    preset = REGISTERED_PRESET
     llds = yaml.safe_load((ROOT / "lab/configs/arms/llds.yaml").read_text())
     for rate in ("1e-3", "2e-3"):
         grpo = yaml.safe_load((ROOT / f"lab/configs/arms_real/grpo_{rate}.yaml").read_text())

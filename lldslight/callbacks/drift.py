@@ -50,6 +50,19 @@ ceiling the controller never exceeds. Why this form:
 - *Anti-windup*: z is clamped to the same bounds as the rate, so a warm-up (whose low rates give a
   low KL) cannot store up a rise past the cap.
 
+**A safe start (``start_scale`` < 1; the preset's 1/8)**: a fixed rate that is safe must be guessed,
+and the rate a user tries first may be several times too high: on the demo a ceiling 4x its rate lost
+2 of 3 runs in the first 2-3 rollout batches, faster than the rule above can cut (x0.70 a batch), and
+Adam's first steps (sign-like, before its second moment has settled) move the policy furthest. So a
+fresh run starts at ``start_scale`` x the ceiling and climbs as TCP's slow start does: each batch with
+signal whose KL is under the target doubles the scale (the KL grows about as the rate squared, so a
+doubling overshoots the target by at most ~4x); the first batch with KL >= target ends the start at
+once, with the cut the same quadratic model asks for, scale x sqrt(target / KL) (a non-finite KL:
+the floor), which brings a batch that overshot 16x back to the target in one step instead of eight;
+reaching the ceiling ends it too. From there the ``log_pi`` rule above runs from that scale (its
+integral z = ln scale). Batches without signal are held as above. Logged: ``drift/rate_starting``
+(1 while starting). ``start_scale`` 1 (the default) has no start phase: the behaviour of earlier versions.
+
 **The rule ``bang_bang``** (rsl_rl's, the one earlier versions had): KL > ``high`` x T:
 ``scale /= factor``; KL < ``low`` x T: ``scale *= factor``; then the bounds. A non-finite KL lowers it.
 
@@ -124,13 +137,16 @@ class AdaptiveRate(pl.Callback):
         max_scale: ``log_pi``: the cap on the scale (default 1: never above the configured rate).
         signal_free: ``hold`` (default): a rollout batch without signal (``drift/signal`` 0) changes
             nothing; ``react``: read it like any other (earlier versions; to reproduce their runs).
+        start_scale: ``log_pi``: a fresh run starts at this fraction of the ceiling and doubles it per
+            batch with signal under the target, until the first batch at or above the target (cut
+            by sqrt(target / KL)) or the ceiling (default 1: no start phase; the preset's 0.125).
     """
 
     def __init__(self, target_kl: float, factor: Optional[float] = None, high: Optional[float] = None,
                  low: Optional[float] = None, lr_min: float = 1e-6, lr_max: Optional[float] = None,
                  metric: str = "drift/kl_k3_last", rule: Optional[RateRule] = None, gain: Optional[float] = None,
                  down_gain: Optional[float] = None, error_clip: Optional[float] = None, max_scale: Optional[float] = None,
-                 signal_free: SignalFree = "hold") -> None:
+                 signal_free: SignalFree = "hold", start_scale: float = 1.0) -> None:
         require(math.isfinite(target_kl) and target_kl > 0, "AdaptiveRate.target_kl", "> 0 (nats per token, e.g. 0.001)", target_kl)
         require_choice(signal_free, "AdaptiveRate.signal_free", SignalFree)
         own = {"factor": factor, "high": high, "low": low, "gain": gain, "down_gain": down_gain, "error_clip": error_clip,
@@ -164,6 +180,11 @@ class AdaptiveRate(pl.Callback):
             require(math.isfinite(self.down_gain) and self.down_gain >= 0, "AdaptiveRate.down_gain", ">= 0 (default 0.25)", self.down_gain)
             require(math.isfinite(self.error_clip) and self.error_clip > 0, "AdaptiveRate.error_clip", "> 0 (default 1)", self.error_clip)
             require(self.max_scale > 0, "AdaptiveRate.max_scale", "> 0 (default 1: never above the configured rate)", self.max_scale)
+        require(math.isfinite(start_scale) and 0 < start_scale <= 1, "AdaptiveRate.start_scale",
+                "in (0, 1]: the fraction of the ceiling a fresh run starts from (1 = no start phase; the preset's 0.125)", start_scale)
+        require(rule == "log_pi" or start_scale == 1, "AdaptiveRate.start_scale", "1 with rule bang_bang (the start phase is log_pi's)",
+                start_scale)
+        self.start_scale = float(start_scale)
         # -- state (checkpointed) ---------------------------------------------------------------------
         self.scale = 1.0
         self.integral = 0.0  # z: log_pi's learned log-scale
@@ -172,6 +193,7 @@ class AdaptiveRate(pl.Callback):
         self.last_error: Optional[float] = None
         self.informative = 0  # rollout batches with signal the rule read
         self.held = 0  # rollout batches without signal that left everything unchanged
+        self.starting = False  # in the start phase (set at a fresh run's first batch when start_scale < 1)
         self.saved_settings: Optional[dict[str, Any]] = None  # the settings of the run a checkpoint came from
         self._started = False  # bounds applied at this fit's first batch
 
@@ -179,7 +201,7 @@ class AdaptiveRate(pl.Callback):
 
     def settings(self) -> dict[str, Any]:
         """The settings the decisions depend on (saved in checkpoints, compared on resume)."""
-        own = ("factor", "high", "low") if self.rule == "bang_bang" else ("gain", "down_gain", "error_clip", "max_scale")
+        own = ("factor", "high", "low") if self.rule == "bang_bang" else ("gain", "down_gain", "error_clip", "max_scale", "start_scale")
         return {"rule": self.rule, "target_kl": self.target_kl, "lr_min": self.lr_min, "lr_max": self.lr_max,
                 "metric": self.metric, "signal_free": self.signal_free, **{k: getattr(self, k) for k in own}}
 
@@ -222,8 +244,25 @@ class AdaptiveRate(pl.Callback):
         lo, hi = self.log_bounds(base)
         e = self.error(self.last_kl)
         self.last_error = e
+        if self.starting:
+            return self._start_step(lo, hi)
         self.integral = min(max(self.integral - self.gain * e, lo), hi)
         self.scale = math.exp(min(max(self.integral - self.down_gain * max(e, 0.0), lo), hi))
+        return self.scale
+
+    def _start_step(self, lo: float, hi: float) -> float:
+        """One batch with signal of the start phase: double below the target; at or above it, leave
+        the phase with the quadratic model's cut sqrt(target / KL); at the ceiling, leave it."""
+        kl = self.last_kl
+        if math.isfinite(kl) and kl < self.target_kl:
+            log_scale = min(math.log(self.scale) + math.log(2.0), hi)
+            self.starting = log_scale < hi
+        else:
+            cut = 0.5 * math.log(self.target_kl / kl) if math.isfinite(kl) else -math.inf
+            log_scale = math.log(self.scale) + cut
+            self.starting = False
+        log_scale = min(max(log_scale, lo), hi)
+        self.integral, self.scale = log_scale, math.exp(log_scale)
         return self.scale
 
     # -- Lightning hooks ---------------------------------------------------------------------------
@@ -256,12 +295,15 @@ class AdaptiveRate(pl.Callback):
             if changed:
                 notes.append("settings changed since the checkpoint: " + ", ".join(changed))
         if self.base is None:
+            # A fresh run: its start phase begins here (a resumed one restores scale and phase).
             self.base = current
+            if self.start_scale < 1:
+                self.scale, self.integral, self.starting = self.start_scale, math.log(self.start_scale), True
         elif not all(math.isclose(c, b * self.scale, rel_tol=1e-9) for c, b in zip(current, self.base)):
             # Someone else set the rate since the checkpoint (a --resume_override of model.optim.lr):
             # that is the run's base rate now; the controller restarts from it.
             notes.append(f"base rate {max(self.base) * self.scale:.4g} -> {max(current):.4g} set on resume: the controller restarts from it")
-            self.base, self.scale, self.integral = current, 1.0, 0.0
+            self.base, self.scale, self.integral, self.starting = current, 1.0, 0.0, False
         lo, hi = self.log_bounds(max(self.base))
         log_scale = math.log(self.scale)
         if not lo <= log_scale <= hi or not lo <= self.integral <= hi:
@@ -290,13 +332,15 @@ class AdaptiveRate(pl.Callback):
         logged = {"drift/lr_scale": self.scale, "drift/target_kl": self.target_kl, "drift/rate_held": float(self.held)}
         if self.rule == "log_pi":
             logged["drift/rate_integral"] = self.integral
+            logged["drift/rate_starting"] = float(self.starting)
             if self.last_error is not None and (signal or self.signal_free == "react"):
                 logged["drift/rate_error"] = self.last_error
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "integral": self.integral, "base": self.base, "last_kl": self.last_kl,
-                "last_error": self.last_error, "informative": self.informative, "held": self.held, "settings": self.settings()}
+                "last_error": self.last_error, "informative": self.informative, "held": self.held, "starting": self.starting,
+                "settings": self.settings()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The rates themselves come back with the optimiser's and scheduler's states; the controller's
@@ -309,5 +353,6 @@ class AdaptiveRate(pl.Callback):
         self.last_error = state_dict.get("last_error")
         self.informative = int(state_dict.get("informative", 0))
         self.held = int(state_dict.get("held", 0))
+        self.starting = bool(state_dict.get("starting", False))  # earlier versions had no start phase
         self.saved_settings = state_dict.get("settings")
         self._started = False
