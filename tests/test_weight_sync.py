@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -49,7 +50,7 @@ class VetoAll(pl.Callback):
         pl_module.add_step_gate("veto_all", lambda ctx: False)
 
 
-def fit(tmp_path, monkeypatch, backend: str, steps: int = 2, veto: bool = False) -> list[dict]:
+def fit(tmp_path, monkeypatch, backend: str, steps: int = 2, veto: bool = False, exit_code: int = 0) -> list[dict]:
     from lldslight.cli import main
 
     config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
@@ -62,7 +63,9 @@ def fit(tmp_path, monkeypatch, backend: str, steps: int = 2, veto: bool = False)
     (tmp_path / "fit.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ROOT))
-    assert main(["fit", "--config", str(tmp_path / "fit.yaml"), "--trainer.max_steps", str(steps)]) == 0
+    assert main(["fit", "--config", str(tmp_path / "fit.yaml"), "--trainer.max_steps", str(steps)]) == exit_code
+    if exit_code:
+        return []
     with open(tmp_path / "runs" / "tiny" / "version_0" / "metrics.csv") as f:
         return [r for r in csv.DictReader(f) if r.get("train/reward")]
 
@@ -80,10 +83,12 @@ def test_the_shipped_backends_follow_every_update(backend, tmp_path, monkeypatch
         assert math.isclose(sampler, policy, rel_tol=1e-3, abs_tol=1e-5), (sampler, policy)
 
 
-def test_a_backend_that_keeps_the_old_weights_stops_the_run(tmp_path, monkeypatch):
-    with pytest.raises(RuntimeError, match=r"weight sync failed after step 0: the generation backend samples from old "
-                                           r"weights\. .* the backend's did not move at all"):
-        fit(tmp_path, monkeypatch, "tests.test_weight_sync.StaleEngine")
+def test_a_backend_that_keeps_the_old_weights_stops_the_run(tmp_path, monkeypatch, capsys):
+    """In one line (exit 2), naming the step."""
+    fit(tmp_path, monkeypatch, "tests.test_weight_sync.StaleEngine", exit_code=2)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"lldslight fit: error: weight sync failed after step 0: the generation backend samples from old "
+                        r"weights\. .* the backend's did not move at all.*", lines[-1]), lines[-3:]
 
 
 def test_a_step_whose_updates_were_all_vetoed_is_not_judged(tmp_path, monkeypatch):

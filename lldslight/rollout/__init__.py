@@ -14,6 +14,8 @@ token-in/token-out. One concern per file:
   (``rollout.compile_decode``), eager where it is off or fails;
 - engine.py: ``RolloutConfig`` and ``RolloutEngine``: the default backend's scheduling and sampler;
 - hf_generate.py: ``HFGenerate``, the reference backend (transformers' ``generate``, one turn per call);
+- vllm_generate.py: ``VLLMGenerate``, the vLLM backend (a server or ``vllm.LLM``; the adapter pushed
+  after every update and checked by the probe);
 - backend.py: ``GenerationBackend``, the seam: what a backend receives and must return;
 - settings.py: ``SamplingSettings``, what a backend samples with, said at start and checked against
   the config (never the model's generation_config);
@@ -37,6 +39,7 @@ from .layout import Layout, pack
 from .protocol import INVALID_ACTION, STOP_TAGS, eos_ids, format_observation, observation_ids, parse_action, prompt_token_ids
 from .settings import SamplingSettings
 from .sync import WeightSync
+from .vllm_generate import VLLMGenerate
 
 __all__ = [
     "BackendFactory",
@@ -53,6 +56,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutEngine",
     "SamplingSettings",
+    "VLLMGenerate",
     "WeightSync",
     "answer_token_span",
     "eos_ids",

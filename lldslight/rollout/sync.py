@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lldslight.errors import UserError
+
 # Short and fixed: a question and a search, as the protocol's text; its log-prob moves with any
 # update of the weights that score it.
 PROBE_TEXT = "Question: who wrote the play Hamlet?\n<search> author of Hamlet </search>"
@@ -38,10 +40,21 @@ def summed_logprob(logits: Tensor, tokens: Tensor) -> float:
     return float(torch.log_softmax(logits.double(), -1).gather(-1, tokens[1:, None]).sum())
 
 
+class SyncMismatch(UserError, RuntimeError):
+    """The backend does not sample from the trainer's weights: one line, naming the step."""
+
+
 @torch.no_grad()
 def policy_logprob(model: nn.Module, ids: list[int]) -> float:
     """The probe's summed log-prob (tokens 2..n) under the policy's plain forward, in eval mode
     (no dropout): the weights as the trainer holds them."""
+    return float(token_logprobs(model, ids).sum())
+
+
+@torch.no_grad()
+def token_logprobs(model: nn.Module, ids: list[int]) -> Tensor:
+    """The log-prob of each of ``ids[1:]`` [n-1] (float64) under the policy's plain forward, in eval
+    mode: what a backend with its own copy of the weights (VLLMGenerate) compares token by token."""
     from lldslight.policy import precision_autocast
 
     was_training = model.training
@@ -52,7 +65,7 @@ def policy_logprob(model: nn.Module, ids: list[int]) -> float:
         # the policy's precision, as every trainer and sampler forward (a bf16 base under an fp32 adapter needs it)
         with precision_autocast(model):
             logits = model(input_ids=tokens).logits[0, :-1]  # [n-1, V]
-        return summed_logprob(logits, tokens[0])
+        return torch.log_softmax(logits.double(), -1).gather(-1, tokens[0, 1:, None])[:, 0]
     finally:
         model.train(was_training)
 
@@ -76,19 +89,27 @@ class WeightSync:
     def start(self, score: Callable[[nn.Module, list[int]], float], model: nn.Module, tokenizer: Any) -> None:
         """The reference values, before any update: ``score`` is the backend's ``probe_logprob``."""
         self.ids = probe_ids(tokenizer)
-        self.policy_at, self.backend_at = policy_logprob(model, self.ids), float(score(model, self.ids))
+        try:
+            backend = float(score(model, self.ids))
+        except SyncMismatch as err:
+            raise SyncMismatch(f"weight sync failed before the first step: {err}") from None
+        self.policy_at, self.backend_at = policy_logprob(model, self.ids), backend
         self.last = (self.policy_at, self.backend_at)
 
     def after_step(self, score: Callable[[nn.Module, list[int]], float], model: nn.Module, step: int) -> dict[str, float]:
         """Check after a training step; the step's ``sync/*`` metrics. Raises RuntimeError when the
         backend missed the updates."""
-        policy, backend = policy_logprob(model, self.ids), float(score(model, self.ids))
+        try:
+            backend = float(score(model, self.ids))
+        except SyncMismatch as err:  # a backend that compares the probe itself (VLLMGenerate)
+            raise SyncMismatch(f"weight sync failed after step {step}: {err}") from None
+        policy = policy_logprob(model, self.ids)
         metrics = {"sync/policy_delta": policy - self.last[0], "sync/backend_delta": backend - self.last[1]}
         self.last = (policy, backend)
         if backend != self.backend_at or not math.isfinite(backend):
             self.policy_at, self.backend_at = policy, backend  # the backend took a change: the new reference
         elif abs(policy - self.policy_at) > self.tolerance:
-            raise RuntimeError(
+            raise SyncMismatch(
                 f"weight sync failed after step {step}: the generation backend samples from old weights. Since it last "
                 f"changed, the policy's log-prob of a fixed probe moved {policy - self.policy_at:+.6g} nats, the "
                 f"backend's did not move at all ({backend:.6g}): the weight updates did not reach it, and every "
