@@ -64,6 +64,7 @@ def _cli_class():
     from jsonargparse import ActionConfigFile
     from lightning.pytorch.cli import LightningCLI
 
+    from lldslight import stopping
     from lldslight.checkpoint_io import resolve_last_checkpoint
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.errors import UserError
@@ -136,7 +137,7 @@ def _cli_class():
 
             sub = self.config[subcommand]
             locks = _claim_run_dirs(self.trainer, bool(sub.get("force")), sub.get("ckpt_path"), subcommand) if is_rank_zero() else []
-            previous = _announce_sigterm()
+            previous = stopping.install()
             try:
                 super()._run_subcommand(subcommand)
             except SystemExit as err:  # Lightning's graceful stop after Ctrl-C or SIGTERM
@@ -149,7 +150,7 @@ def _cli_class():
             finally:
                 for lock in locks:
                     lock.release()
-                _restore_sigterm(previous)
+                stopping.restore(previous)
 
         def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
             check_stateful_callbacks(list(config.get("callbacks") or []) + list(callbacks))
@@ -469,46 +470,27 @@ def _checkpoint_file(trainer: Any, ckpt_path: Any) -> Optional[Path]:
     return Path(text).expanduser()
 
 
-SIGTERM_LINE = ("[lldslight] SIGTERM: finishing the training step in flight (its rollout and update; minutes on a "
-                "slow machine), then stopping after the step's checkpoint; SIGKILL stops at once (the last "
-                "checkpoint written stays)")
-
-
-def _announce_sigterm() -> Any:
-    """Say at once what a SIGTERM does: Lightning finishes the step, silently. Lightning composes
-    a handler found installed with its own. Returns the handler to restore, or None."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        return None
-
-    def announce(signum: int, frame: Any) -> None:
-        print(SIGTERM_LINE, file=sys.stderr, flush=True)
-
-    return signal.signal(signal.SIGTERM, announce)
-
-
-def _restore_sigterm(previous: Any) -> None:
-    import signal
-
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _stopped(trainer: Any, subcommand: str) -> Optional[Exception]:
     """The Stopped error (its message and exit status) of a run Lightning stopped on Ctrl-C or SIGTERM."""
+    from lldslight import stopping
     from lldslight.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Stopped
 
-    sigterm = bool(getattr(trainer, "received_sigterm", False))
+    # Lightning's flag is reset when it installs its handlers: one that came while the model loaded
+    # is known to lldslight.stopping only.
+    sigterm = bool(getattr(trainer, "received_sigterm", False)) or stopping.received()
     if trainer is None or not (sigterm or getattr(trainer, "interrupted", False)):
         return None
+    what = "SIGTERM" if sigterm else "Ctrl-C"
+    code = EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED
+    if subcommand != "fit":
+        return Stopped(f"stopped by {what} during the evaluation; its report was not written", code)
     ckpt = getattr(getattr(trainer, "checkpoint_callback", None), "last_model_path", "") or ""
+    resumed = getattr(trainer, "ckpt_path", None)
+    if not ckpt and resumed:  # a resumed run stopped before its first checkpoint: the one it started from stays
+        ckpt = str(resumed)
     saved = (f"the last checkpoint is {ckpt} (resume: --ckpt_path last, or --ckpt_path {ckpt})" if ckpt
              else "no checkpoint was written")
-    what = "SIGTERM" if sigterm else "Ctrl-C"
-    return Stopped(f"stopped by {what} after step {trainer.global_step}; {saved}",
-                   EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED)
+    return Stopped(f"stopped by {what} after step {trainer.global_step}; {saved}", code)
 
 
 TRAINER_DEFAULTS = {

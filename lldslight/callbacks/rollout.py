@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from tqdm.auto import tqdm
 
-from lldslight import evaluation
+from lldslight import evaluation, stopping
 from lldslight.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
 from lldslight.distributed import reduce_over_ranks
 from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
@@ -191,11 +191,14 @@ class SearchRollout(pl.Callback):
         unavailable = getattr(self.retriever, "unavailable_count", None)
         short = getattr(self.retriever, "short_circuited_count", None)
         t0 = time.perf_counter()
-        if self.dynamic_sampling.enabled:
-            traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
-        else:
-            traj = engine.generate(pl_module.policy, batch)
-            retrieval_s = getattr(engine, "stats", {}).get("retrieval_s", 0.0)
+        step = trainer.global_step + 1
+        with stopping.interruptible(f"the rollout of training step {step}"):  # a resume samples it again
+            if self.dynamic_sampling.enabled:
+                traj, retrieval_s = self._dynamic_batch(trainer, pl_module, engine, batch)
+            else:
+                traj = engine.generate(pl_module.policy, batch)
+                retrieval_s = getattr(engine, "stats", {}).get("retrieval_s", 0.0)
+        stopping.update_began(step)
         pl_module.receive_rollout(traj, "train", timings={"rollout_s": time.perf_counter() - t0, "retrieval_s": retrieval_s})
         counters = {}
         if unavailable is not None:  # HttpRetriever(on_unavailable="observe"): queries answered "unavailable"
@@ -247,15 +250,17 @@ class SearchRollout(pl.Callback):
         )
         return result.traj, retrieval[0]
 
-    def _eval_batch(self, pl_module, batch: Any) -> None:
+    def _eval_batch(self, pl_module, batch: Any, what: str) -> None:
         _, engine = self._engines(pl_module)
-        pl_module.receive_rollout(engine.generate(pl_module.policy, batch), "eval")
+        with stopping.interruptible(what):  # an evaluation holds nothing a checkpoint keeps
+            traj = engine.generate(pl_module.policy, batch)
+        pl_module.receive_rollout(traj, "eval")
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        self._eval_batch(pl_module, batch)
+        self._eval_batch(pl_module, batch, "a validation pass")
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        self._eval_batch(pl_module, batch)
+        self._eval_batch(pl_module, batch, "the test evaluation")
 
     # -- before/after evaluation outside Lightning's loops (fit has no "validate first" mode) -----
 
@@ -268,10 +273,12 @@ class SearchRollout(pl.Callback):
             return None
         _, engine = self._engines(pl_module)
         records = []
-        bar = tqdm(datamodule.val_dataloader(), desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
-        for batch in bar:
-            records.extend(evaluation.trajectory_records(engine.generate(pl_module.policy, batch)))
-            bar.set_postfix(em=f"{sum(r['em'] for r in records) / len(records):.3f}")
+        when = stage.rpartition("_")[2]
+        with stopping.interruptible(f"the evaluation {when} training" if when in ("before", "after") else "an evaluation"):
+            bar = tqdm(datamodule.val_dataloader(), desc="eval rollouts", disable=not trainer.is_global_zero, leave=False)
+            for batch in bar:
+                records.extend(evaluation.trajectory_records(engine.generate(pl_module.policy, batch)))
+                bar.set_postfix(em=f"{sum(r['em'] for r in records) / len(records):.3f}")
         return evaluation.finish(records, stage, trainer)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -295,6 +302,7 @@ class SearchRollout(pl.Callback):
         self._record(trainer, pl_module, "before")
 
     def on_train_end(self, trainer, pl_module) -> None:
+        stopping.update_ended()
         if self.eval_after_fit:
             self._record(trainer, pl_module, "after")
 
