@@ -65,6 +65,17 @@ class LoRAConfig:
     target_modules: Union[str, list[str]] = "all-linear"
     layers_to_transform: Optional[list[int]] = None
 
+    def __post_init__(self) -> None:
+        layers = self.layers_to_transform
+        if layers is None:
+            return
+        key = "model.policy.lora.layers_to_transform"
+        # peft reads an empty list as "no restriction" and adapts every layer: the opposite of what was written.
+        require(len(layers) > 0, key, "a non-empty list of decoder layer indices, or null (every layer)", layers)
+        require(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers), key,
+                "decoder layer indices, integers >= 0 (layer 0 is the bottom one)", layers)
+        require(len(set(layers)) == len(layers), key, "a list of distinct layer indices", layers)
+
 
 @dataclass
 class PolicyConfig:
@@ -125,10 +136,10 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         self.precision = _configured_precision(self)
-        require(isinstance(self.freeze_bottom_layers, int) and self.freeze_bottom_layers >= 0, "policy.freeze_bottom_layers",
+        require(isinstance(self.freeze_bottom_layers, int) and self.freeze_bottom_layers >= 0, "model.policy.freeze_bottom_layers",
                 "an integer >= 0", self.freeze_bottom_layers)
-        require(self.freeze_bottom_layers == 0 or self.lora is None, "policy.freeze_bottom_layers", "0 with policy.lora set",
-                self.freeze_bottom_layers, "under LoRA the adapted layers are chosen with lora.layers_to_transform")
+        require(self.freeze_bottom_layers == 0 or self.lora is None, "model.policy.freeze_bottom_layers", "0 with model.policy.lora set",
+                self.freeze_bottom_layers, "under LoRA the adapted layers are chosen with model.policy.lora.layers_to_transform")
         if self.quantization is not None:
             require(self.precision != "bf16-true", "policy.precision", "'auto', 'fp32' or 'bf16-mixed' with policy.quantization",
                     self.precision, "peft keeps a quantized model's adapter, norms and head in fp32")
@@ -388,6 +399,21 @@ def model_config(cfg: PolicyConfig, model_dir: Optional[str] = None):
     return config
 
 
+def check_layers(cfg: PolicyConfig, config: object) -> None:
+    """The decoder layers ``cfg`` names (``lora.layers_to_transform``, ``freeze_bottom_layers``)
+    exist in the model of transformers config ``config``: checked before the weights load (peft
+    raised an IndexError deep in its injection for an index past the last layer)."""
+    count = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", None)
+    if not isinstance(count, int):
+        return
+    layers = cfg.lora.layers_to_transform if cfg.lora is not None else None
+    if layers:
+        require(max(layers) < count, "model.policy.lora.layers_to_transform", f"layer indices in 0..{count - 1} (the model's "
+                f"{count} decoder layers)", layers)
+    require(cfg.freeze_bottom_layers < count, "model.policy.freeze_bottom_layers", f"< the model's {count} decoder layers",
+            cfg.freeze_bottom_layers)
+
+
 def resolve_model_dir(cfg: PolicyConfig, weights: bool = True) -> str:
     """Turn ``cfg.model`` into something ``from_pretrained`` takes without a GGUF argument (a
     local directory's weight files checked unless ``weights`` is False)."""
@@ -596,9 +622,9 @@ def _freeze_bottom(model: nn.Module, n: int) -> None:
     """Freeze the input embeddings (a head tied to them with them) and decoder layers 0..n-1."""
     decoder = causal_lm(model).get_decoder()
     layers = getattr(decoder, "layers", None)
-    require(isinstance(layers, nn.ModuleList), "policy.freeze_bottom_layers", "0 for this model", n,
+    require(isinstance(layers, nn.ModuleList), "model.policy.freeze_bottom_layers", "0 for this model", n,
             "its decoder has no 'layers' list to freeze the bottom of")
-    require(n < len(layers), "policy.freeze_bottom_layers", f"< the model's {len(layers)} decoder layers", n)
+    require(n < len(layers), "model.policy.freeze_bottom_layers", f"< the model's {len(layers)} decoder layers", n)
     decoder.get_input_embeddings().requires_grad_(False)
     for layer in list(layers)[:n]:
         layer.requires_grad_(False)

@@ -48,9 +48,12 @@ def check_retriever(retriever: Any, topk: int) -> None:
 def check_policy(cfg: Any) -> None:
     """Find the policy's weights and tokenizer (demo package, GGUF, directory or hub id) without
     loading them. A demo GGUF is de-quantised into its cache here (once), as loading would."""
-    from lldslight.policy import DEMO_MODELS, PolicyLoadError, check_hub_model, resolve_model_dir
+    from lldslight.policy import DEMO_MODELS, PolicyLoadError, check_hub_model, check_layers, model_config, resolve_model_dir
 
-    resolve_model_dir(cfg)
+    model_dir = resolve_model_dir(cfg, weights=False)
+    if Path(model_dir).is_dir():  # a local directory (a hub id's config is read when it loads)
+        check_layers(cfg, model_config(cfg, model_dir))
+    resolve_model_dir(cfg)  # now the weight files
     tok = getattr(cfg, "tokenizer", None)
     if tok and tok not in DEMO_MODELS and not Path(tok).expanduser().exists():
         if "/" not in tok or tok.startswith((".", "/", "~")):
