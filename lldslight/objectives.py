@@ -78,6 +78,17 @@ def clipped_surrogate(
     return loss, ratio, clipped < unclipped
 
 
+def truncated_importance_weight(old_logp: Tensor, sample_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (TIS) for a sampler that is not the trainer: per token
+    min(pi_old / q, cap) = min(exp(old_logp - sample_logp), cap), with q the sampler's probability
+    (a vLLM server's kernels, bf16) and pi_old the trainer's. Multiplying the policy-gradient loss by
+    it (detached) makes the gradient an estimate under pi_old rather than q, its variance bounded
+    by the cap (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"; TRL's ``vllm_importance_sampling_cap``, veRL's ``tis_imp_ratio_cap``). [B, T]; 1
+    where both are 0 (padding, observations)."""
+    return torch.exp(old_logp - sample_logp).clamp(max=cap).detach()
+
+
 def shared_prefix_negatives(input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor, group_id: Tensor, advantage: Tensor) -> Tensor:
     """Model tokens [B, T] of A < 0 rows that lie inside the longest common prefix they share with
     some A > 0 row of their group (the same tokens at the same positions from the start: a group's

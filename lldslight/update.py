@@ -85,6 +85,10 @@ class UpdateConfig:
     """PPO clip epsilon, upper side (None = ``clip_eps``)."""
     ratio_clamp: Optional[float] = None
     """Cap on the importance ratio before the PPO clip (None = no cap)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling: weight each token's policy-gradient loss by min(pi_old / q, cap),
+    q the sampler's probability (``sample_logp``), for a sampler whose kernels differ from the
+    trainer's (vLLM; objectives.truncated_importance_weight). None = off; TRL and veRL use 2."""
     aggregation: obj.Aggregation = "seq-mean-token-mean"
     """How token losses become a mini-batch loss (objectives.aggregate)."""
     normalize_adv_std: bool = True
@@ -142,6 +146,7 @@ class UpdateConfig:
                 ">= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
         require(self.frozen_prefix_max_mb >= 0 and math.isfinite(self.frozen_prefix_max_mb), "model.update.frozen_prefix_max_mb",
                 ">= 0 (MiB)", self.frozen_prefix_max_mb)
+        require(self.tis_cap is None or self.tis_cap >= 1.0, "model.update.tis_cap", ">= 1 (TRL and veRL use 2) or null", self.tis_cap)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.update.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)
 
@@ -597,6 +602,8 @@ def micro_batch_loss(
     drift["drift/clip_frac"] = (clipped & mask).sum() / tokens
     if sub.pg_weight is not None:
         pg = pg * sub.pg_weight  # a negative-gradient control: the weight changes the gradient, not the normaliser
+    if cfg.tis_cap is not None and sub.sample_logp is not None:
+        pg = pg * obj.truncated_importance_weight(old_logp, sub.sample_logp, cfg.tis_cap)
     pg_loss = obj.aggregate(pg, mask, cfg.aggregation, n)
     loss = pg_loss
     stats: dict[str, Tensor | float] = {
