@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# configs/vllm.yaml samples with vLLM, which runs from its own environment: set it up (once) when named.
+case " $* " in *vllm*) bash scripts/setup_vllm.sh ;; esac
 # The run summary counts the demo's time from here (data, warm start, training, both evaluations).
 export LLDSLIGHT_STARTED_AT="$(date +%s)"
 bin="${LLDSLIGHT_VENV:-.venv}/bin"

@@ -88,10 +88,16 @@ def protocol_model(protocol_examples, bm25):
     """A tiny model *trained* (plain cross-entropy, a few seconds) to follow the protocol on a few
     questions: search the entity, read the information block, answer. Real weights, real
     tokenizer: the rollout's search, observation and answer paths all run for real."""
+    return train_protocol_model(protocol_examples, bm25, tiny_policy_config(lora=False))
+
+
+def train_protocol_model(protocol_examples, bm25, config):
+    """The policy of ``config`` trained to follow the protocol (protocol_model's recipe; tests/test_vllm.py
+    trains one whose attention heads vLLM's CPU kernels take)."""
     from lldslight.policy import load_policy
     from lldslight.sft import GoldConfig, build_gold_set, pad_batch, sft_loss
 
-    model, tok = load_policy(tiny_policy_config(lora=False))
+    model, tok = load_policy(config)
     torch.manual_seed(0)
     rows, stats = build_gold_set(protocol_examples, bm25, tok, GoldConfig(topk=1, max_searches=1, end_with_eos=True))
     assert stats["kept"] == len(protocol_examples), stats

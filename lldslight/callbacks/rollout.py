@@ -330,10 +330,14 @@ class SearchRolloutOptions(pl.Callback):
 
     Args:
         dynamic_sampling: SearchRollout's ``dynamic_sampling``, e.g. ``{enabled: true, max_rounds: 4}``.
+        backend: SearchRollout's ``backend`` (``configs/vllm.yaml`` sets ``lldslight.rollout.VLLMGenerate``).
     """
 
-    def __init__(self, dynamic_sampling: Optional[DynamicSamplingConfig] = None) -> None:
+    # backend is not Optional[...]: jsonargparse then refuses a class_path's init_args (a callable
+    # returning a class inside a Union); None is accepted as a default all the same.
+    def __init__(self, dynamic_sampling: Optional[DynamicSamplingConfig] = None, backend: BackendFactory = None) -> None:
         self.dynamic_sampling = dynamic_sampling
+        self.backend = backend
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         rollouts = [cb for cb in trainer.callbacks if isinstance(cb, SearchRollout)]
@@ -348,3 +352,6 @@ class SearchRolloutOptions(pl.Callback):
                     f"dynamic_sampling={current}: set it in one place"
                 )
             rollout.dynamic_sampling = self.dynamic_sampling
+        if self.backend is not None:
+            rollout.backend = self.backend
+            rollout._train_engine = rollout._eval_engine = None  # built from the new factory when first used

@@ -164,12 +164,9 @@ class _ServerClient:
         except httpx.HTTPError as err:
             raise VLLMError(f"VLLMGenerate.url: {self.url} does not answer ({type(err).__name__}: {err}); start the "
                             "server first (docs/generation_backends.md) or leave url unset to let lldslight start one") from None
-        try:
-            number = version.json()["version"]
-            cards = models.json()["data"]
-            owned = {c.get("owned_by") for c in cards}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            number, cards, owned = None, [], set()
+        number, cards = _json_field(version, "version"), _json_field(models, "data")
+        cards = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+        owned = {c.get("owned_by") for c in cards}
         if version.status_code != 200 or not isinstance(number, str) or "vllm" not in owned:
             raise VLLMError(f"VLLMGenerate.url: {self.url} is not a vLLM server (GET /version -> HTTP {version.status_code}, "
                             f"GET /v1/models -> HTTP {models.status_code}, owned_by {sorted(map(str, owned)) or 'none'})")
@@ -205,6 +202,15 @@ class _ServerClient:
         self.http.close()
         if self.process is not None:
             self.process.stop()
+
+
+def _json_field(response, key: str) -> Any:
+    """``response.json()[key]``, or None when the body is not a JSON object holding it."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get(key) if isinstance(body, dict) else None
 
 
 def _error_message(response) -> str:
@@ -372,7 +378,7 @@ class VLLMGenerate:
         server_args: further arguments for a server lldslight starts.
     """
 
-    def __init__(self, tokenizer, retriever: Retriever, reward_fn: RewardFn, config: RolloutConfig, mode: Mode = "server",
+    def __init__(self, tokenizer: Any, retriever: Retriever, reward_fn: RewardFn, config: RolloutConfig, mode: Mode = "server",
                  url: Optional[str] = None, model: Optional[str] = None, python: Optional[str] = None, dtype: DType = "auto",
                  max_lora_rank: Optional[int] = None, max_model_len: Optional[int] = None, kv_cache_gib: float = 1.0,
                  probe_tolerance: Optional[float] = None, startup_timeout_s: float = 900.0, request_timeout_s: float = 600.0,
@@ -426,8 +432,9 @@ class VLLMGenerate:
                 "the trainer's weights reach vLLM as a LoRA adapter after every step (full fine-tuning is not synced)")
         base = model.get_base_model()
         model_dir = self.model_dir or getattr(base.config, "_name_or_path", "")
-        require(bool(model_dir) and (Path(model_dir) / "config.json").is_file(), "VLLMGenerate.model",
-                "a Hugging Face folder holding the policy's base weights (the policy was not loaded from one)", model_dir or None)
+        if self.url is None:  # vLLM loads the base weights here (an attached server has its own: the probe checks them)
+            require(bool(model_dir) and (Path(model_dir) / "config.json").is_file(), "VLLMGenerate.model",
+                    "a Hugging Face folder holding the policy's base weights (the policy was not loaded from one)", model_dir or None)
         arith = model_arithmetic(model)
         bf16 = arith is not None and (arith.frozen == torch.bfloat16 or arith.autocast == torch.bfloat16)
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if bf16 else "float32")
