@@ -141,11 +141,11 @@ class UpdateConfig:
             value = getattr(self, key)
             require(value in get_args(choices), f"model.update.{key}", f"one of {get_args(choices)}", value)
         require(self.target_kl is None or (math.isfinite(self.target_kl) and self.target_kl > 0), "model.update.target_kl",
-                "> 0 (a KL in nats per token, e.g. 0.01-0.05) or null (no drift bound)", self.target_kl)
+                "a finite number > 0 (a KL in nats per token, e.g. 0.01-0.05) or null (no drift bound)", self.target_kl)
         require(math.isfinite(self.target_kl_factor) and self.target_kl_factor >= 1.0, "model.update.target_kl_factor",
-                ">= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
+                "a finite number >= 1 (Stable-Baselines3 uses 1.5)", self.target_kl_factor)
         require(self.frozen_prefix_max_mb >= 0 and math.isfinite(self.frozen_prefix_max_mb), "model.update.frozen_prefix_max_mb",
-                ">= 0 (MiB)", self.frozen_prefix_max_mb)
+                "a finite number >= 0 (MiB)", self.frozen_prefix_max_mb)
         require(self.tis_cap is None or self.tis_cap >= 1.0, "model.update.tis_cap", ">= 1 (TRL and veRL use 2) or null", self.tis_cap)
         require(self.ratio_clamp is None or self.ratio_clamp > 1.0, "model.update.ratio_clamp", "> 1 (the official LLDS code uses 100) or null",
                 self.ratio_clamp)

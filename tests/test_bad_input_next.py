@@ -44,3 +44,86 @@ def test_frozen_layers_past_the_model_are_named_with_their_full_key_before_loadi
     assert_one_line_error(code, err, "fit", "model.policy.freeze_bottom_layers must be < the model's 30 decoder layers, got 30")
     code, err = run_cli(fit_args(cfg, work / "runs_freeze", "--model.policy.freeze_bottom_layers", "2"), work, capsys)
     assert_one_line_error(code, err, "fit", "model.policy.freeze_bottom_layers must be 0 with model.policy.lora set, got 2")
+
+
+# --------------------------------------------------------------------------- the drift bound's settings
+
+
+def adaptive_rate(**init_args) -> str:
+    """An overlay appending AdaptiveRate with ``init_args`` (YAML flow values)."""
+    args = ", ".join(f"{k}: {v}" for k, v in {"target_kl": 0.001, **init_args}.items())
+    return f"trainer:\n  callbacks+:\n    - class_path: lldslight.callbacks.AdaptiveRate\n      init_args: {{{args}}}\n"
+
+
+@pytest.mark.parametrize("overlay, needles", [
+    # step 0 trained at lr inf and saved every trainable weight non-finite
+    (adaptive_rate(lr_min=".inf"), ["AdaptiveRate.lr_min/lr_max must be 0 < lr_min <= lr_max, lr_min finite", "got (inf, None)"]),
+    # the configured rate is the ceiling (tiny.yaml: 1e-3): lr_min above it trained at 10x
+    (adaptive_rate(lr_min="1.0e-2"), ["AdaptiveRate.lr_min must be <= the rate's ceiling, min(lr_max, max_scale x "
+                                      "model.optim.lr) = 0.001, got 0.01"]),
+    # failed after a whole step, naming the wrong metric
+    (adaptive_rate(metric="drift/nosuch"), ["AdaptiveRate.metric must be a drift metric the update logs (",
+                                            "drift/kl_k3_last", "got 'drift/nosuch'"]),
+    # ranges that inf satisfies
+    ("model:\n  update: {target_kl: 0.001, target_kl_factor: .inf}\n",
+     ["model.update.target_kl_factor must be a finite number >= 1", "got inf"]),
+    ("model:\n  update: {frozen_prefix_max_mb: .inf}\n", ["model.update.frozen_prefix_max_mb must be a finite number >= 0", "got inf"]),
+])
+def test_drift_bound_settings_are_one_line_before_the_model_loads(work, unloadable_model, capsys, overlay, needles):
+    cfg = tiny_config(work / "drift.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_drift", "--config", overlay), work, capsys)
+    assert_one_line_error(code, err, "fit", *needles)
+
+
+def test_a_metric_no_step_logged_is_named_with_the_one_the_update_logs():
+    from types import SimpleNamespace
+
+    from lldslight.callbacks import AdaptiveRate
+    from lldslight.errors import ConfigError
+
+    rate = AdaptiveRate(target_kl=0.001, metric="train/nosuch")
+    rate.base = [1e-3]
+    module = SimpleNamespace(last_step_metrics={"drift/kl_k3_last": 0.002, "drift/signal": 1.0})
+    with pytest.raises(ConfigError) as caught:
+        rate.on_train_batch_end(None, module, None, None, 0)
+    assert str(caught.value) == ("AdaptiveRate.metric must be a metric the step logged (GRPOModule's update logs "
+                                 "'drift/kl_k3_last', the default), got 'train/nosuch'")
+
+
+def test_the_drift_preset_with_heals_rate_remedy_is_refused_before_the_model_loads(work, unloadable_model, capsys):
+    """docs/stability.md: AdaptiveRate is not to be combined with Heal's rate remedy (both set the base rate)."""
+    from tests.conftest import ROOT
+
+    cfg = tiny_config(work / "stable_heal.yaml", model=unloadable_model)
+    configs = [str(ROOT / "configs" / name) for name in ("monitor.yaml", "stable.yaml", "heal.yaml")]
+    code, err = run_cli(fit_args(cfg, work / "runs_stable_heal", *(a for c in configs for a in ("--config", c))), work, capsys)
+    assert_one_line_error(code, err, "fit", "Heal's rate remedy (lr_factor 0.5, end_warmup True) with AdaptiveRate",
+                          "lr_factor: null and end_warmup: false")
+    # its other remedies combine
+    code, err = run_cli(fit_args(cfg, work / "runs_stable_heal", *(a for c in configs for a in ("--config", c)), "--config",
+                                 "trainer:\n  callbacks+:\n    - class_path: lldslight.callbacks.Heal\n"
+                                 "      init_args: {lr_factor: null, end_warmup: false, kl_coef: 0.05}\n"), work, capsys)
+    assert "rate remedy" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_only_the_controllers_target_is_refused(work, capsys):
+    """A resume takes model.update.target_kl (the early stop) from the checkpoint and AdaptiveRate's
+    target from the config: changing the target in both places moved the controller's only."""
+    cfg = tiny_config(work / "target.yaml")
+    runs = work / "runs_target"
+    first = "model:\n  update: {target_kl: 0.001}\n" + adaptive_rate()
+    code, err = run_cli(fit_args(cfg, runs, "--config", first, "--trainer.max_steps", "1",
+                                 "--trainer.logger.init_args.version", "0"), work, capsys)
+    assert code == 0, err[-3000:]
+    changed = "model:\n  update: {target_kl: 0.002}\n" + adaptive_rate(target_kl=0.002)
+    ckpt = str(runs / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
+    code, err = run_cli(fit_args(cfg, runs, "--config", changed, "--trainer.max_steps", "2", "--trainer.logger.init_args.version",
+                                 "0", "--ckpt_path", ckpt), work, capsys)
+    assert_one_line_error(code, err, "fit", "AdaptiveRate.target_kl changed since the checkpoint (0.001 -> 0.002) but "
+                          "model.update.target_kl (the early stop) is still the checkpoint's 0.001",
+                          "--resume_override model.update.target_kl")
+    # changing both, as the line says, resumes
+    code, err = run_cli(fit_args(cfg, runs, "--config", changed, "--trainer.max_steps", "2", "--trainer.logger.init_args.version",
+                                 "0", "--ckpt_path", ckpt, "--resume_override", "model.update.target_kl"), work, capsys)
+    assert code == 0, err[-3000:]

@@ -147,7 +147,7 @@ class AdaptiveRate(pl.Callback):
                  metric: str = "drift/kl_k3_last", rule: Optional[RateRule] = None, gain: Optional[float] = None,
                  down_gain: Optional[float] = None, error_clip: Optional[float] = None, max_scale: Optional[float] = None,
                  signal_free: SignalFree = "hold", start_scale: float = 1.0) -> None:
-        require(math.isfinite(target_kl) and target_kl > 0, "AdaptiveRate.target_kl", "> 0 (nats per token, e.g. 0.001)", target_kl)
+        require(math.isfinite(target_kl) and target_kl > 0, "AdaptiveRate.target_kl", "a finite number > 0 (nats per token, e.g. 0.001)", target_kl)
         require_choice(signal_free, "AdaptiveRate.signal_free", SignalFree)
         own = {"factor": factor, "high": high, "low": low, "gain": gain, "down_gain": down_gain, "error_clip": error_clip,
                "max_scale": max_scale}
@@ -166,8 +166,8 @@ class AdaptiveRate(pl.Callback):
         self.target_kl, self.metric, self.signal_free = float(target_kl), metric, signal_free
         self.lr_min = float(lr_min)
         self.lr_max = float(lr_max) if lr_max is not None else defaults["lr_max"]
-        require(0 < self.lr_min <= self.lr_max and not math.isnan(self.lr_max), "AdaptiveRate.lr_min/lr_max",
-                "0 < lr_min <= lr_max", (lr_min, lr_max))
+        require(0 < self.lr_min <= self.lr_max and math.isfinite(self.lr_min) and not math.isnan(self.lr_max),
+                "AdaptiveRate.lr_min/lr_max", "0 < lr_min <= lr_max, lr_min finite", (lr_min, lr_max))
         if rule == "bang_bang":
             self.factor, self.high, self.low = resolved["factor"], resolved["high"], resolved["low"]
             require(math.isfinite(self.factor) and self.factor > 1, "AdaptiveRate.factor", "> 1 (rsl_rl uses 1.5)", self.factor)
@@ -276,6 +276,18 @@ class AdaptiveRate(pl.Callback):
         require(updates is None or updates >= 2, "model.update.updates_per_rollout", ">= 2 with AdaptiveRate", updates,
                 "the drift is measured before each update's step, so with one update per rollout batch it is 0 by "
                 "construction and says nothing about the rate (one update per batch is on-policy: no rate bound is needed)")
+        from lldslight.update import DRIFT_PER_UPDATE
+
+        known = sorted({*DRIFT_PER_UPDATE, *(f"{k}_last" for k in DRIFT_PER_UPDATE), SIGNAL, "drift/updates", "drift/stopped"})
+        require(not self.metric.startswith("drift/") or self.metric in known, "AdaptiveRate.metric",
+                f"a drift metric the update logs ({', '.join(known)})", self.metric)
+        lr = getattr(getattr(pl_module, "optim_config", None), "lr", None)
+        if isinstance(lr, (int, float)):
+            # clamp() keeps the rate in [lr_min, ceiling] with lr_min winning: above the ceiling, the
+            # controller could only hold the rate at lr_min, above the rate configured as the highest.
+            ceiling = min(self.lr_max, self.max_scale * lr)
+            require(self.lr_min <= ceiling, "AdaptiveRate.lr_min", f"<= the rate's ceiling, min(lr_max, max_scale x "
+                    f"model.optim.lr) = {ceiling:g}", self.lr_min)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._started:
@@ -290,6 +302,15 @@ class AdaptiveRate(pl.Callback):
         current = list(scheduler.base_lrs) if scheduler is not None else [float(g["lr"]) for g in optimizer.param_groups]
         notes = []
         if self.saved_settings is not None:
+            saved_target = self.saved_settings.get("target_kl")
+            early_stop = getattr(getattr(pl_module, "update_config", None), "target_kl", None)
+            if saved_target is not None and saved_target != self.target_kl and early_stop == saved_target:
+                # A resume takes model.* from the checkpoint and callbacks from the config: half a changed bound.
+                raise ConfigError(
+                    f"AdaptiveRate.target_kl changed since the checkpoint ({saved_target:g} -> {self.target_kl:g}) but "
+                    f"model.update.target_kl (the early stop) is still the checkpoint's {early_stop:g}: a resume takes model.* "
+                    f"settings from the checkpoint. Change both (--model.update.target_kl {self.target_kl:g} "
+                    "--resume_override model.update.target_kl) or neither")
             now = self.settings()
             changed = [f"{k} {self.saved_settings.get(k)!r} -> {v!r}" for k, v in now.items() if self.saved_settings.get(k) != v]
             if changed:
@@ -321,8 +342,8 @@ class AdaptiveRate(pl.Callback):
             self.apply_bounds(trainer, pl_module)
         metrics = pl_module.last_step_metrics
         kl = metrics.get(self.metric)
-        require(kl is not None, "AdaptiveRate.metric", f"a logged step metric (the update logs {self.metric!r} since the drift "
-                "metrics; is the module a GRPOModule?)", self.metric)
+        require(kl is not None, "AdaptiveRate.metric", "a metric the step logged (GRPOModule's update logs "
+                "'drift/kl_k3_last', the default)", self.metric)
         signal = metrics.get(SIGNAL)
         if self.signal_free == "hold" and signal is None:
             raise ConfigError(f"AdaptiveRate: the step logged no {SIGNAL!r} (a module from before it?); "

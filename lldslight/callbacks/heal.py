@@ -186,6 +186,13 @@ class Heal(pl.Callback):
             )
         if self.llds_coef_factor is not None and self._llds is None:
             raise ConfigError("Heal.llds_coef_factor is set but trainer.callbacks has no lldslight.callbacks.LLDS (configs/llds.yaml)")
+        from lldslight.callbacks.drift import AdaptiveRate
+
+        if (self.lr_factor is not None or self.end_warmup) and any(isinstance(cb, AdaptiveRate) for cb in trainer.callbacks):
+            # Both set the base rate: the controller would scale from a rate a heal replaced, or undo its cut.
+            raise ConfigError(f"Heal's rate remedy (lr_factor {self.lr_factor}, end_warmup {self.end_warmup}) with AdaptiveRate "
+                              "(configs/stable.yaml): both set the base rate, so they are not to be combined; give Heal "
+                              "lr_factor: null and end_warmup: false to keep its other remedies (docs/stability.md)")
         if self._alarm is not None:
             self._alarm.add_listener(self._on_alarm)
 
