@@ -534,13 +534,47 @@ def _check_config_files(argv: list[str]) -> None:
     from lldslight.config_files import check_text, load_file
 
     pairs = list(zip(argv, argv[1:])) + [tuple(a.split("=", 1)) for a in argv if a.startswith("--config=")]
+    configs = []
     for flag, value in pairs:
         if flag not in ("--config", "-c"):
             continue
         if os.path.isfile(value):
-            load_file(value)
+            configs.append((value, load_file(value)))
         elif not os.path.isdir(value):
             check_text(value, f"--config {value[:60]!r}")
+            configs.append((f"--config {value[:60]!r}", _read_config(value)))
+    _check_list_order(configs)
+
+
+def _appended_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a config mapping written ``key+:`` (an append), with what they append."""
+    found: dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if isinstance(k, str) and k.endswith("+"):
+                found[prefix + k[:-1]] = v
+            elif isinstance(v, dict):
+                found.update(_appended_keys(v, f"{prefix}{k}."))
+    return found
+
+
+def _check_list_order(configs: list[tuple[str, Any]]) -> None:
+    """A list written ``key:`` replaces what the configs before it gave that key, appends included:
+    an overlay given before its base (``--config configs/stable.yaml --config configs/tiny.yaml``)
+    lost its callbacks silently and kept its other settings (half a drift bound). Refused, naming both."""
+    from lldslight.errors import ConfigError
+
+    appended: dict[str, tuple[str, Any]] = {}
+    for name, tree in configs:
+        for key in _plain_list_keys(tree):
+            if key in appended:
+                earlier, what = appended[key]
+                items = what if isinstance(what, list) else [what]
+                shown = ", ".join(str(i.get("class_path", "?")).rpartition(".")[2] if isinstance(i, dict) else repr(i) for i in items)
+                leaf = key.rpartition(".")[2]
+                raise ConfigError(f"{name}: `{key}:` replaces the {leaf} that {earlier} appended with `{leaf}+:` ({shown}), "
+                                  f"which would be dropped while the rest of {earlier} stays; give {name} before {earlier}")
+        appended.update({key: (name, value) for key, value in _appended_keys(tree).items()})
 
 
 def _jsonargparse_one_line(message: str) -> str:

@@ -127,3 +127,17 @@ def test_a_resume_that_changes_only_the_controllers_target_is_refused(work, caps
     code, err = run_cli(fit_args(cfg, runs, "--config", changed, "--trainer.max_steps", "2", "--trainer.logger.init_args.version",
                                  "0", "--ckpt_path", ckpt, "--resume_override", "model.update.target_kl"), work, capsys)
     assert code == 0, err[-3000:]
+
+
+# --------------------------------------------------------------------------- composing configs
+
+
+def test_an_overlay_given_before_its_base_is_refused(work, capsys):
+    """configs/stable.yaml appends AdaptiveRate (`callbacks+:`) and sets model.update.target_kl; tiny.yaml
+    after it writes `callbacks:`, which replaced the list: AdaptiveRate was dropped, the early stop kept."""
+    from tests.conftest import ROOT
+
+    stable, tiny = ROOT / "configs" / "stable.yaml", ROOT / "configs" / "tiny.yaml"
+    code, err = run_cli(["fit", "--config", str(stable), "--config", str(tiny)], work, capsys)
+    assert_one_line_error(code, err, "fit", f"{tiny}: `trainer.callbacks:` replaces the callbacks that {stable} appended "
+                          f"with `callbacks+:` (AdaptiveRate)", f"give {tiny} before {stable}")
