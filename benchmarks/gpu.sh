@@ -9,6 +9,14 @@
 #                                      # needs into benchmarks/.gpu_assets (git-ignored: copy it along)
 #   bash benchmarks/gpu.sh             # on the GPU machine (STEPS=2 measured steps after a warm-up)
 #   SMOKE=1 bash benchmarks/gpu.sh     # anywhere: a tiny model on CPU, to check the script runs
+#   BACKEND=vllm bash benchmarks/gpu.sh                   # rollouts from a vLLM server lldslight starts
+#   BACKEND=vllm VLLM_MODE=inprocess bash benchmarks/gpu.sh   # vllm.LLM in this process (vLLM installed here)
+#
+# BACKEND=vllm: lldslight.rollout.VLLMGenerate. The server runs from VLLM_PYTHON (default
+# .venv-vllm/bin/python: `LLDSLIGHT_VLLM_SPEC=vllm bash scripts/setup_vllm.sh` installs the CUDA build
+# there), taking VLLM_GPU_MEMORY (default 0.3) of the GPU beside the trainer. vLLM loads weights
+# from a folder, so the random model is saved once and the policy loaded from it. The adapter push
+# and the weight-sync probe run after each step ("weight push + probe" row, outside the step time).
 #
 # The model is random: it never emits a valid <search>, so every turn ends in an invalid action
 # and gets the Search-R1 "invalid action" observation, a fixed-size block prefilled into the cache.
@@ -68,6 +76,9 @@ QWEN15 = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, nu
               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_parameters={"rope_theta": 1e6, "rope_type": "default"},
               attention_bias=True, tie_word_embeddings=True)
 TINY = dict(QWEN15, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+vllm = os.environ.get("BACKEND", "engine") == "vllm"
+if vllm:  # vLLM's CPU attention takes heads of 32 and more
+    TINY.update(num_attention_heads=2, num_key_value_heads=1)
 N_PROMPTS, G, TURNS, NEW, OBS = (64, 5, 3, 128, 128) if not smoke else (4, 2, 3, 8, 32)
 STEPS = int(os.environ.get("STEPS", "2" if not smoke else "1"))
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 (spec sheet); measured matmul ceiling here ~790
@@ -100,6 +111,12 @@ class Data(pl.LightningDataModule):
 records = []
 
 
+class AfterStep(pl.Callback):
+    """Last in the callback list: the time SearchRollout spent after the step (weight push + probe)."""
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if cuda:
+            torch.cuda.synchronize()
+        records[-1]["sync_s"] = time.perf_counter() - timer.t_end
 class Timer(pl.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if cuda:
@@ -114,8 +131,9 @@ class Timer(pl.Callback):
         real = traj.attention_mask.sum().item()
         model_tokens = traj.loss_mask.sum().item()
         prompt_tokens = traj.prompt_len.sum().item()
+        self.t_end = time.perf_counter()
         records.append(dict(
-            step_s=time.perf_counter() - self.t0,
+            step_s=self.t_end - self.t0,
             rollout_s=module.timings["rollout_s"], logprob_s=module.timings["logprob_s"], update_s=module.timings["update_s"],
             model_tokens=model_tokens, obs_tokens=real - model_tokens - prompt_tokens, prompt_tokens=prompt_tokens,
             all_tokens=real, rows=len(traj), max_len=traj.attention_mask.sum(-1).max().item(),
@@ -123,16 +141,30 @@ class Timer(pl.Callback):
         ))
 
 
+policy_kw = dict(model=str(assets), random_init=TINY if smoke else QWEN15, dtype="bfloat16" if cuda else "float32")
+backend_kw = {}
+if vllm:
+    import functools, tempfile
+    from lldslight.policy import load_policy
+    from lldslight.rollout import VLLMGenerate
+    base_dir = Path(tempfile.mkdtemp(prefix="lldslight-gpu-bench-"))
+    base, tok = load_policy(PolicyConfig(**policy_kw))
+    base.save_pretrained(base_dir, safe_serialization=True)
+    tok.save_pretrained(base_dir)
+    del base
+    policy_kw = dict(model=str(base_dir), dtype=policy_kw["dtype"])
+    backend_kw = dict(backend=functools.partial(VLLMGenerate, mode=os.environ.get("VLLM_MODE", "server"), python=os.environ.get("VLLM_PYTHON"),
+                                                gpu_memory_utilization=float(os.environ.get("VLLM_GPU_MEMORY", "0.3"))))
 module = GRPOModule(
-    policy=PolicyConfig(model=str(assets), random_init=TINY if smoke else QWEN15, dtype="bfloat16" if cuda else "float32",
-                        lora=LoRAConfig(r=16, alpha=32), gradient_checkpointing=True, attn_implementation="sdpa"),
+    policy=PolicyConfig(**policy_kw, lora=LoRAConfig(r=16, alpha=32), gradient_checkpointing=True, attn_implementation="sdpa"),
     lr=1e-5, updates_per_rollout=1, micro_batch_size=16, micro_batch_tokens=32768, kl_coef=0.001, logprob_chunk_size=1024,
 )
 rollout = RolloutConfig(group_size=G, max_turns=TURNS, max_new_tokens=NEW, max_obs_tokens=OBS, max_response_tokens=4 * (NEW + OBS), topk=2)
 trainer = pl.Trainer(
     accelerator="gpu" if cuda else "cpu", devices=1, max_steps=1 + STEPS, logger=False, enable_checkpointing=False,
     enable_progress_bar=False, enable_model_summary=False,
-    callbacks=[Timer(), SearchRollout(retriever=Passages(), reward=lambda text, gold: float(len(text) % 2), rollout=rollout)],
+    callbacks=[timer := Timer(), SearchRollout(retriever=Passages(), reward=lambda text, gold: float(len(text) % 2), rollout=rollout, **backend_kw),
+               AfterStep()],
 )
 t_start = time.perf_counter()
 trainer.fit(module, datamodule=Data())
@@ -155,6 +187,7 @@ step_flops = rollout_flops + ref_flops + update_flops
 peak = PEAK_TFLOPS * 1e12
 rows = [
     ("device", torch.cuda.get_device_name() if cuda else "cpu (SMOKE)"),
+    ("rollout backend", "vLLM (VLLMGenerate, " + os.environ.get("VLLM_MODE", "server") + ")" if vllm else "lldslight's engine"),
     ("model", f"random Qwen2.5-1.5B shape, {n_matmul / 1e9:.2f}B matmul params, bf16, LoRA r=16" if not smoke else "tiny (SMOKE)"),
     ("work / step", f"{N_PROMPTS} prompts x G={G} = {r['rows']} rollouts, {TURNS} turns + answer, {NEW} tokens/turn"),
     ("model tokens / step", f"{r['model_tokens']:.0f} (+{r['obs_tokens']:.0f} observation, {r['prompt_tokens']:.0f} prompt)"),
@@ -163,6 +196,7 @@ rows = [
     ("  rollout (s)", f"{med('rollout_s'):.2f}  MFU {rollout_flops / med('rollout_s') / peak:.1%}"),
     ("  log-probs: ref (s)", f"{med('logprob_s'):.2f}  MFU {ref_flops / max(med('logprob_s'), 1e-9) / peak:.1%}"),
     ("  update (s)", f"{med('update_s'):.2f}  MFU {update_flops / med('update_s') / peak:.1%}"),
+    ("weight push + probe (s)", f"{med('sync_s'):.2f}  after the step, not in its time"),
     ("step MFU", f"{step_flops / med('step_s') / peak:.1%} of {PEAK_TFLOPS:.0f} TFLOP/s"),
     ("peak GPU memory (GiB)", f"{max(s['peak_gb'] for s in steps):.1f}"),
     ("whole run (s)", f"{total_s:.0f} ({len(records)} steps, first = warm-up)"),

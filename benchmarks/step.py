@@ -6,6 +6,7 @@ in fp32 and in bf16.
     python benchmarks/step.py --profile             # where lldslight's step time goes (shares)
     python benchmarks/step.py --shared-prefix on    # lldslight with a group's prompt encoded once only (no unshared run)
     python benchmarks/step.py --workload lab --precision bf16   # the real-model lab's recipe, against TRL and today's lldslight
+    python benchmarks/step.py --vllm on             # also lldslight with its rollouts from a vLLM server (.venv-vllm)
 
 Both sides run at the same precision, each at its best setting for it (``--precision``, default
 both in turn): fp32 = every weight and all compute in fp32 (lldslight ``policy.precision: fp32``,
@@ -33,6 +34,13 @@ rollout batch and its updates; ratios: ``step_time_ratio`` (lldslight / TRL), ``
 (lldslight-today / TRL), under the report's ``lab`` key. No bounds (their model of the step is
 single-turn with LoRA on every layer). ``--lab-rollout KEY=VALUE`` adds a rollout setting to the
 shipped run only (a hook for decode options today's lldslight lacks).
+
+``--vllm on`` adds a side, "lldslight-vllm": lldslight as shipped with ``SearchRollout(backend:
+VLLMGenerate)``, a vLLM server on loopback that the worker starts from ``--vllm-python``
+(.venv-vllm, scripts/setup_vllm.sh) before its warm-up step, the adapter pushed at the start of
+each rollout (inside ``generation_s``; ``sync_s`` is that push), the server computing on the same
+cores as the trainer. Reported: ``step_time_ratio_vllm`` (against TRL), ``vllm_ratios`` (against
+the engine's side: step, generation, generation tokens/s) and ``vllm_sync_s``. Single workload only.
 
 Timing (benchmarks/harness.py): each side runs in its own subprocess (its own peak RSS), one
 warm-up step then ``--steps`` measured steps; sides alternate A B A B for ``--rounds`` rounds per
@@ -89,12 +97,15 @@ else:  # python benchmarks/step.py: the script's own folder is on sys.path
 TRL_VENV = HERE / ".venv-trl"
 TRL_VERSION = "1.16.0"
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-*.whl"
-SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today", "trl")
-LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today")
+SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today", "lldslight-vllm", "trl")
+LLDSLIGHT_SIDES = ("lldslight", "lldslight-auto", "lldslight-unshared", "lldslight-today", "lldslight-vllm")
 # each lldslight run's suffix on its ratio keys (step_time_ratio<suffix>) and its label
-RATIO_SUFFIX = {"lldslight": "", "lldslight-auto": "_auto", "lldslight-unshared": "_unshared", "lldslight-today": "_today"}
+RATIO_SUFFIX = {"lldslight": "", "lldslight-auto": "_auto", "lldslight-unshared": "_unshared", "lldslight-today": "_today",
+                "lldslight-vllm": "_vllm"}
 RATIO_LABEL = {"lldslight": "ratio", "lldslight-auto": "ratio (auto)", "lldslight-unshared": "ratio (unshared)",
-               "lldslight-today": "ratio (today)"}
+               "lldslight-today": "ratio (today)", "lldslight-vllm": "ratio (vLLM)"}
+VLLM_KEYS = ("step_s", "generation_s", "gen_tokens_per_s")  # rollouts from vLLM / from the engine, the rest the same
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # scripts/setup_vllm.sh
 WORKLOADS = ("single", "lab", "both")
 SHARED_PREFIX_KEYS = ("step_s", "logprob_s", "update_s", "update_peak_above_idle_mb")  # what sharing changes
 TODAY_KEYS = ("step_s", "generation_s", "logprob_s", "update_s")  # lab: the shipped lldslight / today's, per phase
@@ -301,7 +312,19 @@ def single_parts(spec: dict):
         max_response_tokens=spec["max_new_tokens"],
         temperature=1.0,
     )
-    callback = SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout)
+    backend = {}
+    if spec.get("side") == "lldslight-vllm":
+        import functools
+
+        from lldslight.rollout import VLLMGenerate
+
+        # A vLLM server on loopback (started from .venv-vllm, stopped with the worker), the adapter
+        # pushed when the policy changed: at the start of each rollout, inside generation_s (its
+        # cost is also sync_s). Without the weight-sync probe, which would push it after the step,
+        # outside the timed step; the probe's own cost is left out of every side alike (the
+        # engine's runs after the Timer's end of step).
+        backend = dict(backend=functools.partial(VLLMGenerate, mode="server", python=spec["vllm_python"]), sync_tolerance=None)
+    callback = SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout, **backend)
     return GRPOModule(**module_groups(spec)), callback, examples
 
 
@@ -309,6 +332,8 @@ def worker_lldslight(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    # a vLLM server this worker starts computes on the same cores as the trainer (it waits while the trainer works)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{spec['threads'] - 1}")
     import lightning.pytorch as pl
 
     if spec.get("workload") == "lab":
@@ -339,6 +364,9 @@ def worker_lldslight(spec: dict) -> dict:
             traj = module.last_rollout
             completion = traj.loss_mask.sum(-1)
             work = work_of(traj.prompt_len.tolist(), completion.tolist())
+            stats = getattr(rollout.train_engine(module), "stats", {})
+            if "sync_s" in stats:  # vLLM: pushing the adapter to the server, inside generation_s
+                work["sync_s"] = stats["sync_s"]
             if spec.get("workload") == "lab":  # what the turns added: searches, passages' tokens, retrieval time
                 observed = traj.attention_mask.sum(-1) - traj.prompt_len - completion
                 work.update(searches=int(traj.num_searches.sum()), obs_tokens=int(observed.sum()),
@@ -628,6 +656,7 @@ PER_STEP = ("step_s", "generation_s", "logprob_s", "update_s", "tokens", "gen_to
             "loss_tokens", "idle_rss_mb")
 PEAKS = ("generation_peak_above_idle_mb", "update_peak_above_idle_mb")
 LAB_PER_STEP = ("searches", "obs_tokens", "retrieval_s")  # the lab workload's turns: searches, passages' tokens, retrieval
+OPTIONAL_PER_STEP = LAB_PER_STEP + ("sync_s",)  # figures some sides have (sync_s: the vLLM side's adapter push)
 KEYS = PER_STEP + LAB_PER_STEP + PEAKS + ("peak_rss_mb", "trainable_params")
 
 
@@ -635,7 +664,7 @@ def run_figures(result: dict) -> tuple[dict, harness.LoadRecord]:
     """One worker run as one harness attempt: the median of its measured steps per figure (peaks:
     the max), and the load over its measured steps."""
     steps = result["steps"]
-    figures = {k: statistics.median(s[k] for s in steps) for k in PER_STEP + LAB_PER_STEP if k in steps[0]}
+    figures = {k: statistics.median(s[k] for s in steps) for k in PER_STEP + OPTIONAL_PER_STEP if k in steps[0]}
     figures.update({k: max(s[k] for s in steps) for k in PEAKS})
     figures.update(peak_rss_mb=result["peak_rss_mb"], rows=steps[0]["rows"], steps=steps, wall_s=result["wall_s"])
     if "trainable_params" in result:
@@ -718,11 +747,14 @@ def measure_threads(threads: int, args, spec: dict, sides: list[str], pythons: d
                 out["ratios" + suffix] = {k: harness.ratio_summary(attempts, side, "trl", k) for k in keys}
                 out["step_time_ratio" + suffix] = out["ratios" + suffix]["step_s"]["ratio_of_medians"]
     for side, base, name, what in (("lldslight", "lldslight-unshared", "shared_prefix", SHARED_PREFIX_KEYS),
-                                   ("lldslight", "lldslight-today", "today", TODAY_KEYS)):
+                                   ("lldslight", "lldslight-today", "today", TODAY_KEYS),
+                                   ("lldslight-vllm", "lldslight", "vllm", VLLM_KEYS)):
         if side in sides and base in sides:
             # one setting's effect, the rest the same: the shared prefix on / off; the lab's shipped / today's lldslight
             out[name + "_ratios"] = {k: harness.ratio_summary(attempts, side, base, k) for k in what}
             out[name + "_ratio"] = out[name + "_ratios"]["step_s"]["ratio_of_medians"]
+    if "lldslight-vllm" in sides:  # the adapter push per step, part of the vLLM side's generation_s
+        out["vllm_sync_s"] = statistics.median(a.metrics["sync_s"] for a in harness.kept(attempts, "lldslight-vllm"))
     if "bounds" in out:
         out["fractions"] = {}
         for s in sides:
@@ -774,7 +806,8 @@ def print_threads(res: dict, args, sides: list[str], spec: dict | None = None) -
     for suffix, what in (("", "as shipped, frozen prefix on" if lab else f"every layer checkpointed, as TRL, {shared}"),
                          ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB, {shared}"),
                          ("_unshared", "every layer checkpointed, shared prefix off"),
-                         ("_today", "today's, frozen prefix off")):
+                         ("_today", "today's, frozen prefix off"),
+                         ("_vllm", f"rollouts from a vLLM server, every layer checkpointed, {shared}")):
         if "step_time_ratio" + suffix in res:
             r = res["ratios" + suffix]["step_s"]
             print(f"step_time_ratio{suffix} (lldslight, {what} / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "
@@ -783,6 +816,10 @@ def print_threads(res: dict, args, sides: list[str], spec: dict | None = None) -
         print("shared prefix on / off (lldslight / lldslight-unshared): " + ", ".join(
             f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
             for k, r in res["shared_prefix_ratios"].items()))
+    if "vllm_ratios" in res:
+        print("rollouts from vLLM / from the engine (lldslight-vllm / lldslight): " + ", ".join(
+            f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
+            for k, r in res["vllm_ratios"].items()) + f"; adapter push {res['vllm_sync_s']:.3f} s per step")
     if "today_ratios" in res:
         print("as shipped / today's (lldslight / lldslight-today): " + ", ".join(
             f"{k} {r['ratio_of_medians']:.3f} (per round {', '.join(f'{x:.2f}' for x in r['per_round'])})"
@@ -842,6 +879,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lab-rollout", action="append", default=[], metavar="KEY=VALUE",
                    help="lab workload, the shipped lldslight run only: a rollout setting to add to the recipe's (repeatable; "
                         "YAML values, e.g. a decode option today's lldslight lacks)")
+    p.add_argument("--vllm", choices=["off", "on"], default="off",
+                   help="also run lldslight with its rollouts from a vLLM server (lldslight-vllm; needs .venv-vllm: "
+                        "bash scripts/setup_vllm.sh): step_time_ratio_vllm against TRL, vllm_ratio against the engine")
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the interpreter that runs the vLLM server")
     p.add_argument("--only", choices=SIDES, default=None, help="run one side (debugging)")
     p.add_argument("--no-bounds", action="store_true", help="skip measuring bandwidth and sgemm ceilings")
     p.add_argument("--profile", action="store_true", help="profile one step of lldslight (or --only trl) and print where the time goes")
@@ -872,6 +913,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--only {args.only}: the lab workload runs {', '.join(lab_sides)}")
     if args.only == "lldslight-today" and "single" in workloads:
         raise SystemExit("--only lldslight-today: a side of the lab workload only (--workload lab)")
+    if (args.vllm == "on" or args.only == "lldslight-vllm") and not Path(args.vllm_python).is_file():
+        raise SystemExit(f"--vllm-python: {args.vllm_python} does not exist (bash scripts/setup_vllm.sh makes .venv-vllm)")
     lab_rollout = lab_rollout_overrides(args.lab_rollout)
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
@@ -893,10 +936,13 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": 1,
         "seed": args.seed,
+        "vllm_python": args.vllm_python,
     }
     runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
     if args.shared_prefix == "both":
         runs.append("lldslight-unshared")
+    if args.vllm == "on":
+        runs.append("lldslight-vllm")
     specs, sides = {}, {}
     if "single" in workloads:
         specs["single"] = dict(spec, workload="single")
@@ -934,7 +980,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.json:  # after each run: a long run that stops later keeps what it measured
                     Path(args.json).write_text(json.dumps(report, indent=1))
             for key in ("step_time_ratio", "step_time_ratio_auto", "step_time_ratio_unshared", "step_time_ratio_today",
-                        "shared_prefix_ratio", "today_ratio"):
+                        "step_time_ratio_vllm", "shared_prefix_ratio", "today_ratio", "vllm_ratio", "vllm_sync_s"):
                 if runs_p["threads"] and all(key in r for r in runs_p["threads"].values()):
                     runs_p[key] = {t: r[key] for t, r in runs_p["threads"].items()}
                     block.setdefault(key, {})[precision] = runs_p[key]
@@ -994,9 +1040,13 @@ def closing_note(report: dict) -> list[str]:
         for t, res in runs["threads"].items():
             parts = [f"{precision}, {t} thread(s):"]
             for key, name in (("step_time_ratio", "step ratio"), ("step_time_ratio_auto", "step ratio (auto)"),
-                              ("step_time_ratio_unshared", "step ratio (shared prefix off)")):
+                              ("step_time_ratio_unshared", "step ratio (shared prefix off)"),
+                              ("step_time_ratio_vllm", "step ratio (rollouts from vLLM)")):
                 if key in res:
                     parts.append(target(name, res[key]))
+            if "vllm_ratio" in res:
+                parts.append(f"vLLM / engine: step {res['vllm_ratio']:.3f}, generation "
+                             f"{res['vllm_ratios']['generation_s']['ratio_of_medians']:.3f} (above 1: vLLM slower);")
             if "shared_prefix_ratio" in res:
                 parts.append(f"shared prefix on / off: step {res['shared_prefix_ratio']:.3f};")
             f = res.get("fractions", {}).get("lldslight")
@@ -1035,6 +1085,8 @@ def recorded(spec: dict) -> dict:
 
     if "model_dir" in out:
         out["model_dir"] = short(str(out["model_dir"]))
+    if "vllm_python" in out:
+        out["vllm_python"] = short(str(out["vllm_python"]))
     if "retriever" in out:
         out["retriever"] = dict(out["retriever"], corpus=short(out["retriever"]["corpus"]))
     return out

@@ -21,8 +21,8 @@ with the reason; the bad-input tests that need no vLLM run everywhere.
 """
 from __future__ import annotations
 
-import copy
 import csv
+import functools
 import http.server
 import json
 import os
@@ -50,8 +50,9 @@ VLLM_DIMS = {**TINY_DIMS, "num_attention_heads": 2, "num_key_value_heads": 1}
 SIGILL = (-signal.SIGILL, 128 + signal.SIGILL)
 
 
+@functools.lru_cache(maxsize=None)
 def _vllm_unavailable() -> str:
-    """Why vLLM's environment cannot be used here ('' when it can)."""
+    """Why vLLM's environment cannot be used here ('' when it can); asked once per session (an import of vLLM takes seconds)."""
     if not VLLM_PYTHON.is_file():
         return f"{VLLM_PYTHON.relative_to(ROOT)} is missing (bash scripts/setup_vllm.sh makes it)"
     out = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; from vllm import LLM"], capture_output=True, text=True)

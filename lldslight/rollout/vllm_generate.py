@@ -370,6 +370,9 @@ class VLLMGenerate:
             policy's rank, rounded up to a value vLLM accepts).
         max_model_len: vLLM's context length (default: the model's, capped at 4096).
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` on a CPU (GiB); on a GPU vLLM sizes its cache itself.
+        gpu_memory_utilization: on a GPU, the share of its memory vLLM may take (the trainer needs the rest).
+        enforce_eager: no CUDA graphs or torch.compile in vLLM; default on a CPU (compiling costs
+            minutes there), off on a GPU.
         probe_tolerance: the most the probe's per-token log-probs may differ, mean absolute (nats),
             between vLLM and the trainer after a sync; default 0.01 in float32, 0.1 in bfloat16.
         startup_timeout_s: how long a server lldslight starts may take to answer.
@@ -381,7 +384,7 @@ class VLLMGenerate:
     def __init__(self, tokenizer: Any, retriever: Retriever, reward_fn: RewardFn, config: RolloutConfig, mode: Mode = "server",
                  url: Optional[str] = None, model: Optional[str] = None, python: Optional[str] = None, dtype: DType = "auto",
                  max_lora_rank: Optional[int] = None, max_model_len: Optional[int] = None, kv_cache_gib: float = 1.0,
-                 probe_tolerance: Optional[float] = None, startup_timeout_s: float = 900.0, request_timeout_s: float = 600.0,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None, probe_tolerance: Optional[float] = None, startup_timeout_s: float = 900.0, request_timeout_s: float = 600.0,
                  concurrency: int = 64, server_args: Optional[list[str]] = None) -> None:
         require_choice(mode, "VLLMGenerate.mode", Mode)
         require_choice(dtype, "VLLMGenerate.dtype", DType)
@@ -392,6 +395,7 @@ class VLLMGenerate:
                 f"one of {VLLM_LORA_RANKS} (vLLM's choices) or null", max_lora_rank)
         require(probe_tolerance is None or probe_tolerance > 0, "VLLMGenerate.probe_tolerance", "> 0 (nats per token) or null", probe_tolerance)
         require(kv_cache_gib > 0, "VLLMGenerate.kv_cache_gib", "> 0", kv_cache_gib)
+        require(0 < gpu_memory_utilization <= 1, "VLLMGenerate.gpu_memory_utilization", "in (0, 1]", gpu_memory_utilization)
         require(concurrency >= 1, "VLLMGenerate.concurrency", ">= 1", concurrency)
         require(config.top_k == 0 and config.top_p == 1.0, "rollout.top_k / rollout.top_p", "off (top_k 0, top_p 1.0) with VLLMGenerate",
                 (config.top_k, config.top_p), "vLLM returns log-probs before temperature or after top-k/top-p, never the "
@@ -401,11 +405,15 @@ class VLLMGenerate:
         self.mode, self.url, self.model_dir, self.dtype = mode, url, model, dtype
         self.python = python or default_python()
         self.max_lora_rank, self.max_model_len, self.kv_cache_gib = max_lora_rank, max_model_len, kv_cache_gib
+        self.gpu = torch.cuda.is_available()
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = (not self.gpu) if enforce_eager is None else enforce_eager
         self.probe_tolerance = probe_tolerance
         self.startup_timeout_s, self.request_timeout_s, self.concurrency = startup_timeout_s, request_timeout_s, concurrency
         self.server_args = list(server_args or [])
         self.stats: dict[str, float] = {}
-        self._key = (mode, url, model, self.python, dtype, max_lora_rank, max_model_len, kv_cache_gib, tuple(self.server_args))
+        self._key = (mode, url, model, self.python, dtype, max_lora_rank, max_model_len, kv_cache_gib, gpu_memory_utilization,
+                     self.enforce_eager, tuple(self.server_args))
         self.conn: Optional[_Connection] = None
 
     @property
@@ -448,7 +456,8 @@ class VLLMGenerate:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
             client = _InProcessClient(dict(
                 model=str(model_dir), dtype=dtype, max_model_len=length, enable_lora=True, max_lora_rank=max_rank, max_loras=1,
-                enforce_eager=True, generation_config="vllm", logprobs_mode="processed_logprobs", seed=0))
+                enforce_eager=self.enforce_eager, generation_config="vllm", logprobs_mode="processed_logprobs", seed=0,
+                **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu else {})))
         elif self.url is not None:
             client = _ServerClient(self.url, self.request_timeout_s, self.concurrency, None)
             client.connect()
@@ -476,7 +485,8 @@ class VLLMGenerate:
         args = ["--model", model_dir, "--served-model-name", "lldslight-base", "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", dtype, "--max-model-len", str(length), "--enable-lora", "--max-lora-rank", str(max_rank),
                 "--max-loras", "1", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs", "--seed", "0",
-                "--enforce-eager", *self.server_args]
+                *(["--enforce-eager"] if self.enforce_eager else []),
+                *(["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"] if self.gpu else []), *self.server_args]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
         process = _ServerProcess(self.python, args, env, workdir / "server.log")
