@@ -544,6 +544,46 @@ def _check_config_files(argv: list[str]) -> None:
             check_text(value, f"--config {value[:60]!r}")
             configs.append((f"--config {value[:60]!r}", _read_config(value)))
     _check_list_order(configs)
+    _check_logger_packages(configs)
+
+
+# The package each of Lightning's loggers imports when it starts, and the extra of lldslight's that
+# installs it (None: not one of lldslight's extras).
+LOGGER_PACKAGES = {
+    "TensorBoardLogger": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "WandbLogger": (("wandb",), "wandb"),
+    "MLFlowLogger": (("mlflow",), None),
+    "CometLogger": (("comet_ml",), None),
+    "NeptuneLogger": (("neptune",), None),
+}
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _check_logger_packages(configs: list[tuple[str, Any]]) -> None:
+    """A logger whose package is missing: jsonargparse said "Not a valid subclass of Logger" with a
+    dump of the whole namespace. Said in one line naming the package and how to install it."""
+    from lldslight.errors import ConfigError
+
+    for name, tree in configs:
+        trainer = tree.get("trainer") if isinstance(tree, dict) else None
+        if not isinstance(trainer, dict):
+            continue
+        for key in ("logger", "logger+"):
+            entries = trainer.get(key)
+            for entry in entries if isinstance(entries, list) else [entries]:
+                cls = str(entry.get("class_path", "")).rpartition(".")[2] if isinstance(entry, dict) else ""
+                packages, extra = LOGGER_PACKAGES.get(cls, ((), None))
+                if packages and not any(_importable(p) for p in packages):
+                    how = (f"pip install -e '.[{extra}]' in your lldslight clone, or pip install {packages[0]}" if extra
+                           else f"pip install {packages[0]}")
+                    raise ConfigError(f"{name}: trainer.{key} {cls} needs the {packages[0]} package, which is not installed: {how}")
 
 
 def _appended_keys(tree: Any, prefix: str = "") -> dict[str, Any]:

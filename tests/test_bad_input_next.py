@@ -8,6 +8,7 @@ ran first.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,20 @@ def test_an_overlay_given_before_its_base_is_refused(work, capsys):
     code, err = run_cli(["fit", "--config", str(stable), "--config", str(tiny)], work, capsys)
     assert_one_line_error(code, err, "fit", f"{tiny}: `trainer.callbacks:` replaces the callbacks that {stable} appended "
                           f"with `callbacks+:` (AdaptiveRate)", f"give {tiny} before {stable}")
+
+
+@pytest.mark.parametrize("package, logger, extra", [("tensorboard", "TensorBoardLogger", "tensorboard"),
+                                                    ("wandb", "WandbLogger", "wandb")])
+def test_a_logger_whose_package_is_missing_names_the_package_and_the_extra(work, capsys, monkeypatch, package, logger, extra):
+    from tests.conftest import ROOT
+
+    traces = ROOT / "configs" / "traces.yaml"
+    hidden = (package, "tensorboardX") if package == "tensorboard" else (package,)
+    for name in list(sys.modules):
+        if name.split(".")[0] in hidden:
+            monkeypatch.delitem(sys.modules, name)
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError: as if not installed
+    code, err = run_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config", str(traces)], work, capsys)
+    assert_one_line_error(code, err, "fit", f"{traces}: trainer.logger+ {logger} needs the {package} package, which is not "
+                          f"installed: pip install -e '.[{extra}]' in your lldslight clone")
