@@ -10,12 +10,13 @@ SearchRollout (lldslight/callbacks/rollout.py) builds its backend from a factory
           init_args:
             backend: lldslight.rollout.HFGenerate      # default: lldslight.rollout.RolloutEngine
 
-Two backends ship: :class:`~lldslight.rollout.RolloutEngine` (engine.py; continuous batching over a
-ragged KV cache, the default) and :class:`~lldslight.rollout.HFGenerate` (hf_generate.py;
+Three backends ship: :class:`~lldslight.rollout.RolloutEngine` (engine.py; continuous batching over a
+ragged KV cache, the default), :class:`~lldslight.rollout.HFGenerate` (hf_generate.py;
 transformers' ``generate``, one rollout and one turn per call: the reference the engine is tested
-against, and the fallback for a model whose attention the engine's cache cannot serve). Both play
-the protocol through rollout/episode.py, so their greedy outputs are the same tokens.
-docs/generation_backends.md says how a server backend (vLLM, SGLang) would plug in.
+against, and the fallback for a model whose attention the engine's cache cannot serve) and
+:class:`~lldslight.rollout.VLLMGenerate` (vllm_generate.py; a vLLM server or ``vllm.LLM``, the LoRA
+adapter pushed after every update). All play the protocol through rollout/episode.py, so their
+greedy outputs are the same tokens. docs/generation_backends.md says when to use which.
 """
 from __future__ import annotations
 
