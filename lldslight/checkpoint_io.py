@@ -254,6 +254,8 @@ def resolve_last_checkpoint(config: Any, subcommand: str = "fit") -> None:
         if str(getattr(cb, "class_path", "")).endswith("ModelCheckpoint") and init is not None and init.get("dirpath"):
             return
     logger = trainer.get("logger") if trainer is not None else None
+    if isinstance(logger, list):  # several loggers: checkpoints go under the first one's directory (Lightning's rule)
+        logger = logger[0] if logger else None
     init = getattr(logger, "init_args", None)
     if init is None or init.get("version") is not None or init.get("save_dir") is None:
         return

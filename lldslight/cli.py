@@ -152,6 +152,9 @@ def _cli_class():
                     lock.release()
                 stopping.restore(previous)
 
+        def before_instantiate_classes(self) -> None:
+            _flags_to_first_logger(self)
+
         def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
             check_stateful_callbacks(list(config.get("callbacks") or []) + list(callbacks))
             return super()._instantiate_trainer(config, callbacks)
@@ -586,6 +589,43 @@ def _check_logger_packages(configs: list[tuple[str, Any]]) -> None:
                     raise ConfigError(f"{name}: trainer.{key} {cls} needs the {packages[0]} package, which is not installed: {how}")
 
 
+LOGGER_FLAG = "--trainer.logger.init_args."
+
+
+def _flags_to_first_logger(cli: Any) -> None:
+    """``--trainer.logger.init_args.KEY VALUE`` with several loggers (a base config's CSV logger and
+    ``configs/traces.yaml``'s): jsonargparse gives it to the last logger of the list, so the
+    documented ``--trainer.logger.init_args.version NAME`` named the W&B run and the run directory
+    kept the base's. It belongs to the first logger, whose directory holds the run and its
+    checkpoints: the config is parsed again without those flags (every logger as the files give it)
+    and the values, typed by the first parse, are set on the first logger."""
+    from lldslight.errors import ConfigError
+
+    sub = cli.config.get("subcommand")
+    argv = list(getattr(cli, "argv", None) or [])
+    loggers = cli.config[sub].get("trainer", {}).get("logger") if sub else None
+    if not isinstance(loggers, list) or len(loggers) < 2 or not any(w.startswith(LOGGER_FLAG) for w in argv):
+        return
+    rest, keys, words = [], [], iter(argv)
+    for word in words:
+        if not word.startswith(LOGGER_FLAG):
+            rest.append(word)
+            continue
+        key, eq, _ = word[len(LOGGER_FLAG):].partition("=")
+        if not eq:
+            next(words, None)
+        keys.append(key)
+    base = cli.parser.parse_args(rest)
+    fixed = base[sub]["trainer"]["logger"]
+    first, last = fixed[0], loggers[-1]
+    for key in keys:
+        if key not in first.init_args:
+            raise ConfigError(f"{LOGGER_FLAG}{key}: the first logger, {str(first.class_path).rpartition('.')[2]} (the run's "
+                              f"directory), takes no {key!r}; with several loggers these flags set the first one")
+        first.init_args[key] = last.init_args[key]
+    cli.config[sub]["trainer"]["logger"] = fixed
+
+
 def _appended_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys of a config mapping written ``key+:`` (an append), with what they append."""
     found: dict[str, Any] = {}
@@ -670,6 +710,7 @@ def _run(argv: list[str], from_command_line: bool) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     cli_class, module_cls, datamodule_cls = _cli_class()
+    cli_class.argv = list(argv)  # what it parses (LightningCLI keeps no copy): read by _flags_to_first_logger
     cli_class(
         module_cls,
         datamodule_cls,

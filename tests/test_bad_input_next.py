@@ -159,3 +159,43 @@ def test_a_logger_whose_package_is_missing_names_the_package_and_the_extra(work,
     code, err = run_cli(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config", str(traces)], work, capsys)
     assert_one_line_error(code, err, "fit", f"{traces}: trainer.logger+ {logger} needs the {package} package, which is not "
                           f"installed: pip install -e '.[{extra}]' in your lldslight clone")
+
+
+SECOND_LOGGER = ("trainer:\n  logger+:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
+                 "      init_args: {save_dir: runs, name: second}\n")
+
+
+@pytest.mark.slow
+def test_logger_flags_set_the_first_logger_when_there_are_several(tmp_path, capsys):
+    """With a second logger appended (as configs/traces.yaml appends two), the documented
+    --trainer.logger.init_args.version/name went to the last one: the run directory kept the base's name."""
+    cfg = tiny_config(tmp_path / "two_loggers.yaml")
+    code, err = run_cli(fit_args(cfg, tmp_path / "runs", "--config", SECOND_LOGGER, "--trainer.max_steps", "1",
+                                 "--trainer.logger.init_args.name", "mine", "--trainer.logger.init_args.version", "llds"),
+                        tmp_path, capsys)
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "runs" / "mine" / "llds" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "runs" / "mine" / "llds" / "metrics.csv").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs" / "second").iterdir() if p.is_dir()) == ["version_0"]  # its own, as configured
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_finds_the_checkpoint_with_a_second_logger(tmp_path, capsys):
+    """Numbered versions and a second logger: --ckpt_path last found no checkpoint and trained from step 0."""
+    import csv
+
+    import torch
+
+    cfg = tiny_config(tmp_path / "two_loggers.yaml")
+    runs = tmp_path / "runs"
+    code, err = run_cli(fit_args(cfg, runs, "--config", SECOND_LOGGER, "--trainer.max_steps", "1"), tmp_path, capsys)
+    assert code == 0, err[-3000:]
+    code, err = run_cli(fit_args(cfg, runs, "--config", SECOND_LOGGER, "--trainer.max_steps", "2", "--ckpt_path", "last"),
+                        tmp_path, capsys)
+    assert code == 0, err[-3000:]
+    assert "no earlier run has a checkpoint" not in err, err[-3000:]
+    resumed = runs / "tiny" / "version_1"
+    assert torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")["global_step"] == 2
+    with open(resumed / "metrics.csv") as f:
+        steps = {int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")}
+    assert steps == {1}, steps  # one step trained, from the checkpoint's
