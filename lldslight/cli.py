@@ -78,7 +78,9 @@ def _cli_class():
 
         @staticmethod
         def apply_config(parser, cfg, dest, value) -> None:
-            for key in _plain_list_keys(_read_config(value)):
+            tree = _read_config(value)
+            _refuse_flat_keys(tree.get("model") if isinstance(tree, dict) else None, f"{value}: ")
+            for key in _plain_list_keys(tree):
                 if isinstance(cfg.get(key), list):
                     cfg[key] = None
             ActionConfigFile.apply_config(parser, cfg, dest, value)
@@ -110,9 +112,11 @@ def _cli_class():
                      "Not needed to resume that run (fit --ckpt_path last): its metrics are kept.")
 
         def parse_arguments(self, parser, args) -> None:
+            words = sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else []
+            flags = [w.split("=", 1)[0][len("--model."):] for w in words if isinstance(w, str) and w.startswith("--model.")]
+            _refuse_flat_keys(flags, "the command line: ")
             super().parse_arguments(parser, args)
             check_groups(parser, self.config)
-            fold_flat_keys(self.config, announce=True)
             # Before LightningCLI reads the checkpoint's hyper-parameters (a corrupt file would end
             # there in a zip-reader traceback).
             if self.config.get("subcommand"):
@@ -128,9 +132,32 @@ def _cli_class():
             check_checkpoint(self.config[sub].get("ckpt_path"))
             yours = self.config[sub].get("model")
             yours = yours.clone() if yours is not None else None
-            super()._parse_ckpt_path()
-            fold_flat_keys(self.config, announce=False)  # a checkpoint written before the groups: its flat keys
+            self._merge_checkpoint_hparams(sub)
             self.resume = resume_settings(self.config, sub, yours)
+
+        def _merge_checkpoint_hparams(self, sub: str) -> None:
+            """LightningCLI's own merge of the checkpoint's hyper-parameters over the config (its
+            _parse_ckpt_path), with the flat keys an earlier lldslight saved (set before the groups,
+            null since) folded into the groups first: the parser knows the groups only."""
+            import torch
+
+            from lldslight import deprecated_keys
+
+            ckpt_path = self.config[sub].get("ckpt_path")
+            if not ckpt_path or not Path(ckpt_path).is_file():
+                return
+            hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+            hparams.pop("_instantiator", None)
+            if not hparams:
+                return
+            hparams = deprecated_keys.nested(hparams)
+            if "_class_path" in hparams:
+                hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+            try:
+                self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+            except SystemExit:
+                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+                raise
 
         def _run_subcommand(self, subcommand: str) -> None:
             from lldslight.run_dir import is_rank_zero
@@ -246,25 +273,16 @@ def check_stateful_callbacks(callbacks: list) -> None:
         seen[key] = i
 
 
-def fold_flat_keys(config: Any, announce: bool) -> None:
-    """Move the deprecated flat model keys of the parsed ``config`` (``model.lr``, ...) into their
-    groups (``model.optim.lr``, ...), leaving them null, so that the module, the saved config and a
-    resume's comparison see the groups only; ``announce``: one line per key (lldslight/deprecated_keys.py).
-    A flat key wins over its group's field: it was written on purpose (a lab's ``-- --model.lr``)."""
+def _refuse_flat_keys(model: Any, where: str) -> None:
+    """One line naming the new place of each flat model key (``model.lr``: now ``model.optim.lr``)
+    that ``model`` (a config's ``model:`` mapping, or the keys after ``--model.``) holds, before the
+    parse and the model (lldslight/deprecated_keys.py)."""
     from lldslight import deprecated_keys
+    from lldslight.errors import ConfigError
 
-    sub = config.get("subcommand")
-    prefix = f"{sub}.model" if sub else "model"
-    if config.get(prefix) is None:
-        return
-    for key in deprecated_keys.GROUP_OF:
-        value = config.get(f"{prefix}.{key}")
-        if value is None:
-            continue
-        config[f"{prefix}.{deprecated_keys.GROUP_OF[key]}.{key}"] = value
-        config[f"{prefix}.{key}"] = None
-        if announce:
-            deprecated_keys.announce(key)
+    found = deprecated_keys.flat_keys_in(model) if isinstance(model, dict) else [k for k in model or () if k in deprecated_keys.GROUP_OF]
+    if found:
+        raise ConfigError(where + deprecated_keys.moved(found))
 
 
 # -- resume: what the checkpoint's settings changed ----------------------------------------------
@@ -356,8 +374,7 @@ def _override_keys(value: Optional[str], known: set[str]) -> Optional[set[str]]:
         if not key:
             continue
         if key in deprecated_keys.GROUP_OF:
-            deprecated_keys.announce(key)
-            key = deprecated_keys.new_key(key).removeprefix("model.")
+            raise ConfigError("--resume_override: " + deprecated_keys.moved([key]))
         if not any(key == k or k.startswith(key + ".") for k in known):
             raise ConfigError(f"--resume_override: {raw.strip()!r} is not a model setting (give keys such as "
                               "model.optim.lr, model.policy.lora.r, comma-separated, or 'all')")

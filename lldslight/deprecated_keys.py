@@ -1,21 +1,21 @@
-"""The flat ``model.*`` keys of earlier releases (``model.lr``, ``model.clip_eps``, ...), accepted for
-one release: each now lives in a group, ``model.optim.<key>`` (optim.OptimConfig) or
-``model.update.<key>`` (update.UpdateConfig), under the same name.
+"""The flat ``model.*`` keys of the release before the groups (``model.lr``, ``model.clip_eps``, ...).
+Each now lives in a group under the same name: ``model.optim.<key>`` (optim.OptimConfig) or
+``model.update.<key>`` (update.UpdateConfig); GRPOModule takes the groups only.
 
-One table and one fold serve every way a flat key can arrive: a YAML file or command line
-(lldslight/cli.py folds the parsed config, then GRPOModule sees the groups only), Python keyword
-arguments (``GRPOModule(lr=...)``), and the hyper-parameters of a checkpoint written before the
-groups existed (a resume, ``GRPOModule.load_from_checkpoint``). A user's flat key prints one line
-naming it and its new key; a checkpoint's is folded silently (the user did not write it).
+This table is the one place that knows the old keys. It has two readers:
+
+- a user's config file, command line or ``--resume_override`` that still names one: lldslight/cli.py
+  stops before the model loads, with one line naming the key's new place (:func:`moved`);
+- the hyper-parameters of a checkpoint an earlier lldslight wrote (before the groups, or after them
+  with every flat key saved as null): a resume reads them through :func:`nested`, which folds the
+  old keys into their groups silently (the user did not write them).
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Mapping
 
 from lldslight.optim import OptimConfig
-from lldslight.update import UpdateConfig
 
 # The flat keys of the release before the groups, frozen: a field added to a group later has only
 # its group's key. Each moved to the group of the same field name.
@@ -31,48 +31,33 @@ GROUP_OF: dict[str, str] = {key: "optim" if key in _OPTIM else "update" for key 
 
 
 def new_key(flat: str) -> str:
-    """``model.optim.lr`` for ``lr``: the key that replaces a flat one."""
+    """``model.optim.lr`` for ``lr``: the key that replaced a flat one."""
     return f"model.{GROUP_OF[flat]}.{flat}"
 
 
-def deprecation_line(flat: str) -> str:
-    return f"[lldslight] model.{flat} is deprecated: write {new_key(flat)} (the flat key is accepted for one more release)"
+def moved(flat: list[str]) -> str:
+    """The one line a user's flat keys get, each named with its new place (the caller prefixes
+    where they were written)."""
+    news = ", ".join(f"model.{key} is now {new_key(key)}" for key in flat)
+    return f"{news}: write {'it' if len(flat) == 1 else 'them'} there (the flat model keys moved into model.optim and model.update)"
 
 
-def announce(flat: str) -> None:
-    """Print the deprecation line of ``flat`` once (rank zero)."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    rank_zero_only(lambda: print(deprecation_line(flat), file=sys.stderr, flush=True))()
-
-
-def fold(flat: Mapping[str, Any], update: Any, optim: Any, quiet: bool = False) -> tuple[Any, Any]:
-    """``update`` and ``optim`` (dataclasses, or mappings of their fields) with the flat keys of
-    ``flat`` that are set (not None) written into them; a flat key given wins over its group's
-    field. Each flat key folded is announced (one line) unless ``quiet``. Returns the same
-    kinds it was given: dataclasses stay dataclasses, mappings come back as new dicts."""
-    groups = {"update": update, "optim": optim}
-    for key, value in flat.items():
-        if value is None or key not in GROUP_OF:
-            continue
-        name = GROUP_OF[key]
-        current = groups[name]
-        if dataclasses.is_dataclass(current):
-            groups[name] = dataclasses.replace(current, **{key: value})
-        else:
-            groups[name] = {**dict(current or {}), key: value}
-        if not quiet:
-            announce(key)
-    return groups["update"], groups["optim"]
+def flat_keys_in(model: Any) -> list[str]:
+    """The flat keys a ``model:`` mapping of a config holds, null or not (a config saved by an
+    earlier lldslight lists them all as null)."""
+    return [key for key in model if key in GROUP_OF] if isinstance(model, Mapping) else []
 
 
 def nested(saved: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's hyper-parameters ``saved`` with the groups' settings as mappings ``update``
-    and ``optim`` (an old checkpoint's flat keys folded in silently; a group it lacks is empty);
-    other keys as they are."""
+    and ``optim``: an earlier lldslight's flat keys folded into them where set (a flat key given
+    won over its group's field then, so it does here), dropped where null; other keys as they are."""
     out = {k: v for k, v in saved.items() if k not in GROUP_OF}
-    groups = [_as_mapping(saved[name]) if name in saved else {} for name in ("update", "optim")]
-    out["update"], out["optim"] = fold({k: v for k, v in saved.items() if k in GROUP_OF}, *groups, quiet=True)
+    groups = {name: _as_mapping(saved.get(name)) for name in ("update", "optim")}
+    for key, value in saved.items():
+        if key in GROUP_OF and value is not None:
+            groups[GROUP_OF[key]][key] = value
+    out.update(groups)
     return out
 
 

@@ -30,7 +30,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lldslight import deprecated_keys, evaluation, frozen_prefix
-from lldslight import objectives as obj
 from lldslight import update
 from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import (
@@ -42,10 +41,9 @@ from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, resolve_precision
 from lldslight.preflight import check_policy
 from lldslight.metric_rules import reduction
-from lldslight.optim import OptimConfig, OptimizerName, build_optimizer, set_learning_rate
+from lldslight.optim import OptimConfig, build_optimizer, set_learning_rate
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
-from lldslight.update import MinibatchGrouping, OldLogpSource
 
 RolloutStage = Literal["train", "eval"]
 
@@ -69,9 +67,6 @@ class GRPOModule(pl.LightningModule):
             to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
             lldslight.distributed.FSDP2Strategy.
-        lr: deprecated, one release: each flat key from ``lr`` on is now ``model.optim.<key>`` or
-            ``model.update.<key>`` (lldslight/deprecated_keys.py); where given it wins over the
-            group's field, with one line naming the new key.
     """
 
     def __init__(
@@ -82,47 +77,15 @@ class GRPOModule(pl.LightningModule):
         logprob_temperature: float = 1.0,
         logprob_chunk_size: Optional[int] = None,
         fsdp: FSDPConfig = FSDPConfig(),
-        # Deprecated flat keys (one release): model.optim.<key> ...
-        lr: Optional[float] = None,
-        weight_decay: Optional[float] = None,
-        betas: Optional[tuple[float, float]] = None,
-        warmup_steps: Optional[int] = None,
-        warmup_ratio: Optional[float] = None,
-        optimizer: Optional[OptimizerName] = None,
-        # ... and model.update.<key>
-        updates_per_rollout: Optional[int] = None,
-        micro_batch_size: Optional[int] = None,
-        micro_batch_tokens: Optional[int] = None,
-        reuse_onpolicy_logp: Optional[bool] = None,
-        old_logp_source: Optional[OldLogpSource] = None,
-        clip_eps: Optional[float] = None,
-        clip_eps_high: Optional[float] = None,
-        ratio_clamp: Optional[float] = None,
-        aggregation: Optional[obj.Aggregation] = None,
-        normalize_adv_std: Optional[bool] = None,
-        kl_coef: Optional[float] = None,
-        kl_estimator: Optional[obj.KLEstimator] = None,
-        entropy_coef: Optional[float] = None,
-        grad_clip: Optional[float] = None,
-        shuffle_minibatches: Optional[bool] = None,
-        minibatch_grouping: Optional[MinibatchGrouping] = None,
-        negative_advantages: Optional[obj.NegativeAdvantages] = None,
     ) -> None:
-        given = dict(locals())
         super().__init__()
         self.save_hyperparameters()
         require(0 < logprob_temperature < math.inf, "model.logprob_temperature", "> 0 and finite", logprob_temperature)
-        flat = {key: value for key, value in given.items() if key in deprecated_keys.GROUP_OF}
-        # The groups, with the deprecated flat keys given written into them (one line each). A group
-        # checks its own ranges when it is built ("model.update.<key> must be ..."); from YAML, a
-        # mapping here is built now.
-        update, optim = deprecated_keys.fold(flat, _built(UpdateConfig, update), _built(OptimConfig, optim))
+        # A group checks its own ranges when it is built ("model.update.<key> must be ..."); from
+        # YAML (or a checkpoint's hyper-parameters), a mapping here is built now.
+        update, optim = _built(UpdateConfig, update), _built(OptimConfig, optim)
         self.update_config: UpdateConfig = update
         self.optim_config: OptimConfig = optim
-        if any(value is not None for value in flat.values()):
-            # Saved with checkpoints in the groups' form only: a flat key left beside its group
-            # would win over a later change of the group's field (reconfigure_update) on resume.
-            self.hparams.update({"update": update, "optim": optim, **dict.fromkeys(flat)})
         if update.old_logp_source == "rollout" and policy.precision != "fp32":
             arith = resolve_precision(policy)  # "auto" asks the hardware now (cheap), so this fails before loading
             require(arith.precision == "fp32", "model.update.old_logp_source", "'recompute' under policy.precision "
@@ -417,7 +380,7 @@ class GRPOModule(pl.LightningModule):
         saved, self._saved_hparams = getattr(self, "_saved_hparams", None), None
         if not saved:
             return
-        before = OptimConfig(**deprecated_keys.nested(saved)["optim"])  # an old checkpoint's flat keys too
+        before = OptimConfig(**deprecated_keys.nested(saved)["optim"])  # an earlier lldslight's flat keys too
         optim = self.optim_config
         changed = {k for k in ("lr", "betas", "weight_decay") if getattr(before, k) != getattr(optim, k)}
         if not changed:

@@ -132,13 +132,12 @@ def subprocess_cli(args: list[str], cwd: Path, env: dict | None = None, timeout:
         ({"max_turns": -1}, {}, [], ["rollout.max_turns must be >= 0", "got -1"]),
         ({"max_new_tokens": 0}, {}, [], ["rollout.max_new_tokens must be >= 1, got 0"]),
         ({"temperature": 0.0}, {"logprob_temperature": 1.0}, [], ["rollout.temperature must be > 0 when sampling, got 0.0"]),
-        ({}, {"warmup_ratio": 0.1}, ["--trainer.max_steps", "-1", "--trainer.max_epochs", "1"],
+        ({}, {}, ["--model.optim.warmup_ratio", "0.1", "--trainer.max_steps", "-1", "--trainer.max_epochs", "1"],
          ["trainer.max_steps must be > 0 with model.optim.warmup_ratio > 0", "got -1"]),
         # issue 23: torch's traceback after the model loaded / trained as given / 4 of 10 updates silently
         ({}, {}, ["--model.optim.lr", "-1"], ["model.optim.lr must be > 0, got -1.0"]),
         ({}, {}, ["--model.update.clip_eps", "-0.2"], ["model.update.clip_eps must be > 0", "got -0.2"]),
-        # a deprecated flat key: the error names the new one
-        ({}, {}, ["--model.updates_per_rollout", "10"],
+        ({}, {}, ["--model.update.updates_per_rollout", "10"],
          ["model.update.updates_per_rollout must be <= the rollout rows per step and rank (data.batch_size 2 x "
           "rollout.group_size 2 = 4), got 10"]),
     ],

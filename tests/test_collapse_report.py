@@ -77,12 +77,12 @@ def test_arms_are_the_files_of_the_arms_dir(collapse) -> None:
 
 def test_fit_command_composes_recipe_arm_extras(collapse, tmp_path) -> None:
     cmd = collapse.fit_command("lab/configs/constant.yaml", Path("lab/configs/arms/llds.yaml"), tmp_path, "llds", 7, "runs/lab/policy_q1",
-                               12, ["configs/guard.yaml"], ["--model.lr", "1e-4"])
+                               12, ["configs/guard.yaml"], ["--model.optim.lr", "1e-4"])
     configs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--config"]
     assert configs == ["lab/configs/constant.yaml", "lab/configs/arms/llds.yaml", "configs/guard.yaml"]
     assert cmd[cmd.index("--seed_everything") + 1] == "7" and cmd[cmd.index("--data.seed") + 1] == "7"
     assert cmd[cmd.index("--model.policy.model") + 1] == "runs/lab/policy_q1"
-    assert cmd[cmd.index("--trainer.max_steps") + 1] == "12" and cmd[-2:] == ["--model.lr", "1e-4"]
+    assert cmd[cmd.index("--trainer.max_steps") + 1] == "12" and cmd[-2:] == ["--model.optim.lr", "1e-4"]
 
 
 def test_archive_is_byte_stable(collapse, tmp_path) -> None:

@@ -15,14 +15,14 @@ from tests.test_bad_input import TINY, assert_one_line_error, run_cli, subproces
 
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, capsys):
     cfg = tmp_path / "twice.yaml"
-    cfg.write_text("model:\n  lr: 1.0e-3\n  kl_coef: 0.0\n  lr: 5.0e-4\n")
+    cfg.write_text("model:\n  logprob_temperature: 1.0\n  logprob_chunk_size: 64\n  logprob_temperature: 0.5\n")
     code, err = run_cli(["fit", "--config", str(TINY), "--config", str(cfg)], tmp_path, capsys)
-    assert_one_line_error(code, err, "fit", str(cfg), "line 4", "'lr' is given twice", "first at line 2")
+    assert_one_line_error(code, err, "fit", str(cfg), "line 4", "'logprob_temperature' is given twice", "first at line 2")
 
 
 def test_two_top_level_blocks_are_refused(tmp_path, capsys):
     cfg = tmp_path / "blocks.yaml"
-    cfg.write_text(TINY.read_text() + "\nmodel:\n  lr: 0.5\n")
+    cfg.write_text(TINY.read_text() + "\nmodel:\n  logprob_temperature: 0.5\n")
     code, err = run_cli(["fit", "--config", str(cfg)], tmp_path, capsys)
     first = next(i for i, line in enumerate(TINY.read_text().splitlines(), 1) if line.startswith("model:"))
     assert_one_line_error(code, err, "fit", str(cfg), "'model' is given twice", f"first at line {first}")
@@ -32,8 +32,8 @@ def test_a_merge_key_may_be_overridden(tmp_path):
     """``<<: *base`` then a key of base: YAML's own way to override, not a duplicate."""
     from lldslight import config_files
 
-    text = "base: &b {lr: 1.0, kl_coef: 0.1}\nmodel:\n  <<: *b\n  lr: 2.0\n"
-    assert config_files.load_text(text, "x.yaml", sections=False)["model"] == {"lr": 2.0, "kl_coef": 0.1}
+    text = "base: &b {logprob_temperature: 1.0, logprob_chunk_size: 64}\nmodel:\n  <<: *b\n  logprob_temperature: 2.0\n"
+    assert config_files.load_text(text, "x.yaml", sections=False)["model"] == {"logprob_temperature": 2.0, "logprob_chunk_size": 64}
 
 
 def test_a_billion_laughs_is_refused_at_once(tmp_path):

@@ -1,15 +1,15 @@
-"""``model.update.*`` and ``model.optim.*``: the groups GRPOModule takes whole, the deprecated flat
-keys they replace (one line each, one release), old checkpoints, the shipped configs converted to
-the groups, and the one learning-rate setter (lldslight/optim.py, lldslight/deprecated_keys.py).
+"""``model.update.*`` and ``model.optim.*``: the groups GRPOModule takes whole, the flat keys they
+replaced (a user's gets one line naming its new place, before the model loads; a checkpoint's folds
+in silently), the shipped configs written with the groups, and the one learning-rate setter
+(lldslight/optim.py, lldslight/deprecated_keys.py).
 
-Each shipped config is compared with its flat form, written here by an independent inverse (the
-groups' keys moved back up to ``model.``): both must resolve to the same UpdateConfig and
-OptimConfig. The collapse lab's registered recipe is also checked against its values written out
-by hand, and with the command line its registration uses (``-- --model.lr 5e-4``).
+The new places a flat key is told to go are written out here by hand, not read from the table the
+code uses. The collapse lab's registered recipe is checked against its values written out by hand,
+and with the command line its registration used (``-- --model.lr 5e-4``), which now names
+``model.optim.lr``.
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -23,37 +23,15 @@ CONFIGS = sorted(  # the shipped configs that set model settings
     p for pattern in ("configs/*.yaml", "lab/configs/*.yaml", "lab/configs/arms/*.yaml", "configs/recipes/*.yaml", "benchmarks/*.yaml")
     for p in ROOT.glob(pattern) if (yaml.safe_load(p.read_text()) or {}).get("model")
 )
-
-
-def _flat(model: dict) -> dict:
-    """The flat form of a ``model:`` mapping written with the groups: what the old code read."""
-    from lldslight.deprecated_keys import GROUP_OF
-
-    out = {k: v for k, v in model.items() if k not in ("update", "optim")}
-    for group in ("update", "optim"):
-        fields = model.get(group) or {}
-        out.update({k: v for k, v in fields.items() if k in GROUP_OF})
-        # A field added to a group after the flat release has no flat key: it stays in its group.
-        newer = {k: v for k, v in fields.items() if k not in GROUP_OF}
-        if newer:
-            out[group] = newer
-    return out
-
-
-def _resolve(*models: dict):
-    """GRPOModule built from ``model:`` mappings composed in order, as jsonargparse builds it from
-    configs (no model is loaded): its (update_config, optim_config)."""
-    from jsonargparse import ArgumentParser
-
-    from lldslight.module import GRPOModule
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(GRPOModule, "model", fail_untyped=False)
-    cfg = None
-    for model in models:
-        cfg = parser.parse_object({"model": model}, cfg)
-    module = parser.instantiate_classes(cfg).model
-    return module.update_config, module.optim_config
+# The flat keys of the release before the groups and where each went, by hand (docs/configuration.md).
+MOVED_BY_HAND = {
+    "lr": "optim", "weight_decay": "optim", "betas": "optim", "warmup_steps": "optim", "warmup_ratio": "optim",
+    "optimizer": "optim", "updates_per_rollout": "update", "micro_batch_size": "update", "micro_batch_tokens": "update",
+    "reuse_onpolicy_logp": "update", "old_logp_source": "update", "clip_eps": "update", "clip_eps_high": "update",
+    "ratio_clamp": "update", "aggregation": "update", "normalize_adv_std": "update", "kl_coef": "update",
+    "kl_estimator": "update", "entropy_coef": "update", "grad_clip": "update", "shuffle_minibatches": "update",
+    "minibatch_grouping": "update", "negative_advantages": "update",
+}
 
 
 def _instantiate(args: list[str]):
@@ -65,8 +43,19 @@ def _instantiate(args: list[str]):
                    seed_everything_default=0, auto_configure_optimizers=False, save_config_callback=None)
 
 
-def _deprecation_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if " is deprecated: write model." in line]
+def _moved_line(where: str, *keys: str) -> str:
+    """The error's message: where the keys were written, then each with its new place."""
+    news = ", ".join(f"model.{k} is now model.{MOVED_BY_HAND[k]}.{k}" for k in keys)
+    return f"{where}: {news}: write {'it' if len(keys) == 1 else 'them'} there (the flat model keys moved into model.optim and model.update)"
+
+
+def _fit_error(args: list[str], capsys) -> tuple[int, list[str]]:
+    """``lldslight fit ARGS``'s exit status and its error lines (the prefix ``lldslight fit: error:``
+    dropped; Lightning's INFO lines left out), in this process, from the repository's root."""
+    from tests.test_bad_input import run_cli
+
+    code, err = run_cli(["fit", *args], ROOT, capsys)
+    return code, [line.removeprefix("lldslight fit: error: ") for line in err.splitlines() if line.startswith("lldslight fit: error: ")]
 
 
 # -- the shipped configs ------------------------------------------------------------------------------------
@@ -79,25 +68,15 @@ def test_every_shipped_config_was_found():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
-def test_a_shipped_config_uses_the_groups_and_resolves_as_its_flat_form(path, capsys):
-    from lldslight.deprecated_keys import GROUP_OF
-
+def test_a_shipped_config_uses_the_groups(path):
     model = yaml.safe_load(path.read_text())["model"]
-    assert not set(model) & set(GROUP_OF), f"{path.name}: flat keys {sorted(set(model) & set(GROUP_OF))}"
-    base = []
-    if "lab/configs/arms" in str(path):  # an arm composes after the lab's registered recipe
-        base = [yaml.safe_load((ROOT / "lab/configs/constant.yaml").read_text())["model"]]
-    grouped = _resolve(*base, model)
-    flat = _resolve(*[_flat(m) for m in base], _flat(model))
-    assert grouped == flat
-    flat_keys = set(_flat(model)) & set(GROUP_OF)
-    assert len(_deprecation_lines(capsys.readouterr().err)) == len(flat_keys | {k for m in base for k in _flat(m) if k in GROUP_OF})
+    assert not set(model) & set(MOVED_BY_HAND), f"{path.name}: flat keys {sorted(set(model) & set(MOVED_BY_HAND))}"
 
 
-def test_the_lab_recipe_keeps_its_values_and_its_registered_command_lines(tmp_path, capsys, monkeypatch):
+def test_the_lab_recipe_keeps_its_values_and_its_registered_command_line_names_the_new_key(tmp_path, capsys, monkeypatch):
     """lab/configs/constant.yaml and its arms, through the real CLI: the values of the recipe as
-    registered (written out by hand here), and ``-- --model.lr 5e-4`` (the registration's command
-    line) still sets the rate, with one deprecation line."""
+    registered (written out by hand here); the registration's ``-- --model.lr 5e-4`` now stops
+    with one line naming ``model.optim.lr``, which sets the rate."""
     from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
@@ -117,47 +96,45 @@ def test_the_lab_recipe_keeps_its_values_and_its_registered_command_lines(tmp_pa
     for arm, (update, optim) in arms.items():
         cli = _instantiate([*common, "--config", f"lab/configs/arms/{arm}.yaml"])
         assert (cli.model.update_config, cli.model.optim_config) == (update, optim), arm
-    assert not _deprecation_lines(capsys.readouterr().err)
 
-    cli = _instantiate([*common, "--config", "lab/configs/arms/half_lr.yaml", "--model.lr", "5e-4"])
-    assert cli.model.optim_config == OptimConfig(lr=5e-4, warmup_steps=30)  # the command line wins, as before
+    code, err = _fit_error([*common, "--config", "lab/configs/arms/half_lr.yaml", "--model.lr", "5e-4"], capsys)
+    assert (code, err) == (2, [_moved_line("the command line", "lr")])
+    cli = _instantiate([*common, "--config", "lab/configs/arms/half_lr.yaml", "--model.optim.lr", "5e-4"])
+    assert cli.model.optim_config == OptimConfig(lr=5e-4, warmup_steps=30)  # the command line wins
     assert cli.model.update_config == recipe
-    assert _deprecation_lines(capsys.readouterr().err) == [
-        "[lldslight] model.lr is deprecated: write model.optim.lr (the flat key is accepted for one more release)"]
-    assert cli.config["model"]["lr"] is None and cli.config["model"]["optim"]["lr"] == 5e-4  # saved in the groups' form
 
 
-def test_flat_keys_in_a_config_file_give_one_line_each_and_the_same_settings(tmp_path, capsys, monkeypatch):
+def test_flat_keys_in_a_config_file_are_one_line_naming_each_new_place(tmp_path, capsys, monkeypatch):
+    """tiny.yaml with its group settings written flat, as the release before the groups read them;
+    and a config an earlier lldslight saved (every flat key listed as null): one line, exit 2."""
     monkeypatch.chdir(ROOT)
     tiny = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
-    old = copy.deepcopy(tiny)
-    old["model"] = _flat(old["model"])
-    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
-    args = ["--trainer.logger.init_args.save_dir", str(tmp_path)]
-    new_cli = _instantiate(["--config", "configs/tiny.yaml", *args])
-    assert not _deprecation_lines(capsys.readouterr().err)
-    old_cli = _instantiate(["--config", str(tmp_path / "old.yaml"), *args])
-    lines = _deprecation_lines(capsys.readouterr().err)
-    assert sorted(lines) == sorted(f"[lldslight] model.{k} is deprecated: write model.{g}.{k} (the flat key is accepted for one more "
-                                   "release)" for g in ("update", "optim") for k in tiny["model"][g])
-    assert (old_cli.model.update_config, old_cli.model.optim_config) == (new_cli.model.update_config, new_cli.model.optim_config)
-    assert old_cli.model.optim_config.lr == 1e-3 and old_cli.model.update_config.updates_per_rollout == 2
+    flat = {k: v for group in ("update", "optim") for k, v in tiny["model"].pop(group).items()}
+    assert flat and set(flat) <= set(MOVED_BY_HAND)
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**tiny, "model": {**tiny["model"], **flat}}, sort_keys=False))
+    code, err = _fit_error(["--config", str(old)], capsys)
+    assert (code, err) == (2, [_moved_line(str(old), *flat)])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(yaml.safe_dump({"model": {"lr": None, "clip_eps": None}}, sort_keys=False))
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--config", str(saved)], capsys)
+    assert (code, err) == (2, [_moved_line(str(saved), "lr", "clip_eps")])
 
 
-def test_python_keywords_fold_into_the_groups_and_save_the_groups_form(capsys):
-    from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
-    from lldslight.update import UpdateConfig
+def test_a_flat_key_on_the_command_line_or_in_resume_override_is_one_line(tmp_path, capsys, monkeypatch):
+    from lldslight.cli import _override_keys
+    from lldslight.errors import ConfigError
 
-    module = GRPOModule(update=UpdateConfig(kl_coef=0.0), lr=1e-3, updates_per_rollout=2)
-    assert module.update_config == UpdateConfig(kl_coef=0.0, updates_per_rollout=2)
-    assert module.optim_config == OptimConfig(lr=1e-3)
-    assert len(_deprecation_lines(capsys.readouterr().err)) == 2
-    assert module.hparams["lr"] is None and module.hparams["optim"] == OptimConfig(lr=1e-3)
-    assert module.hparams["update"] == module.update_config
+    monkeypatch.chdir(ROOT)
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--model.kl_coef=0.1"], capsys)
+    assert (code, err) == (2, [_moved_line("the command line", "kl_coef")])
+    with pytest.raises(ConfigError) as refused:
+        _override_keys("model.optim.lr,model.grad_clip", {"optim.lr", "update.grad_clip"})
+    assert str(refused.value) == _moved_line("--resume_override", "grad_clip")
+    assert _override_keys("model.optim.lr,model.update.grad_clip", {"optim.lr", "update.grad_clip"}) == {"optim.lr", "update.grad_clip"}
 
 
-# -- checkpoints written before the groups ---------------------------------------------------------------------------
+# -- checkpoints an earlier lldslight wrote ---------------------------------------------------------------------------
 
 
 OLD_HPARAMS = {  # every hyper-parameter the flat GRPOModule saved (its signature's names), as LightningCLI wrote them
@@ -171,14 +148,6 @@ OLD_HPARAMS = {  # every hyper-parameter the flat GRPOModule saved (its signatur
 }
 
 
-def _old_cli_checkpoint(path: Path) -> Path:
-    """Hyper-parameters as LightningCLI saved them for the flat GRPOModule (no weights)."""
-    hparams = dict(OLD_HPARAMS, policy=yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())["model"]["policy"])
-    hparams["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
-    torch.save({"state_dict": {}, "global_step": 1, "hyper_parameters": hparams}, path)
-    return path
-
-
 def test_an_old_checkpoints_flat_hyper_parameters_map_to_the_groups():
     from lldslight.deprecated_keys import nested
     from lldslight.optim import OptimConfig
@@ -189,13 +158,17 @@ def test_an_old_checkpoints_flat_hyper_parameters_map_to_the_groups():
         grad_clip=0.5, updates_per_rollout=2, micro_batch_size=2, clip_eps=0.3, aggregation="token-mean", kl_coef=0.01, kl_estimator="k1")
     assert OptimConfig(**groups["optim"]) == OptimConfig(lr=2e-3, weight_decay=0.02, betas=(0.8, 0.99), warmup_steps=3)
     assert set(groups) == {"policy", "logprob_temperature", "logprob_chunk_size", "fsdp", "update", "optim"}
+    # the form saved between the groups and this release: the groups, and every flat key null beside them
+    between = {"update": {"clip_eps": 0.1}, "optim": {"lr": 5e-4}, **dict.fromkeys(MOVED_BY_HAND), "logprob_temperature": 1.0}
+    assert nested(between) == {"update": {"clip_eps": 0.1}, "optim": {"lr": 5e-4}, "logprob_temperature": 1.0}
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_before_the_groups_resumes(tmp_path):
-    """A real checkpoint rewritten to the old form (every setting flat, no groups) resumes: its
-    settings land in the groups silently (the user did not write them), the resume line names what
-    differs by its new key, and the scheduler goes on at the checkpoint's rate."""
+def test_checkpoints_an_earlier_lldslight_wrote_resume(tmp_path):
+    """A real checkpoint rewritten to the two forms earlier releases saved (every setting flat, no
+    groups; the groups with every flat key null beside them) resumes: the settings land in the
+    groups silently (the user did not write them), the resume line names what differs by its new
+    key, and the scheduler goes on at the checkpoint's rate."""
     from test_resume import metrics, resume_fit, resume_lines
 
     run = tmp_path / "run"
@@ -204,36 +177,27 @@ def test_a_checkpoint_written_before_the_groups_resumes(tmp_path):
     ckpt = run / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=True)
     hparams = saved["hyper_parameters"]
-    assert hparams["optim"]["lr"] == 1e-3 and hparams["lr"] is None  # the groups' form
-    # An old checkpoint holds the old release's flat keys only: fields added to a group since have none.
-    from lldslight.deprecated_keys import GROUP_OF
-
-    flat = {k: v for k, v in {**hparams["update"], **hparams["optim"]}.items() if k in GROUP_OF}
-    saved["hyper_parameters"] = {**{k: v for k, v in hparams.items() if k not in ("update", "optim")}, **flat}
-    torch.save(saved, ckpt)
-
-    resumed = resume_fit(tmp_path, "resumed", run, 2, "--ckpt_path", "last", "--model.update.clip_eps", "0.1")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert not _deprecation_lines(resumed.stderr)
-    assert resume_lines(resumed) == [
-        f"[lldslight] resuming from {ckpt}: 1 setting(s) taken from the checkpoint, not your config: "
-        "model.update.clip_eps=0.2 (yours: 0.1); --resume_override model.update.clip_eps (or all) uses yours"]
-    # warm-up 4 steps: step 1 (0-based) runs at 2/4 of the rate
-    assert metrics(run / "tiny" / "version_1" / "metrics.csv")[1]["train/lr"] == pytest.approx(1e-3 * 2 / 4, rel=1e-6)
-
-
-def test_an_old_checkpoint_loads_with_load_from_checkpoint(tmp_path):
-    """GRPOModule.load_from_checkpoint rebuilds the module from the saved hyper-parameters through
-    the instantiator a CLI checkpoint names (before loading weights): the flat ones fold into the groups."""
-    from lightning.pytorch.cli import instantiate_module
-
+    assert hparams["optim"]["lr"] == 1e-3 and not set(hparams) & set(MOVED_BY_HAND)  # the groups' form only
+    # The release before the groups saved its flat keys only: fields added to a group since have none.
+    flat = {k: v for k, v in {**hparams["update"], **hparams["optim"]}.items() if k in MOVED_BY_HAND}
+    forms = {"flat": {**{k: v for k, v in hparams.items() if k not in ("update", "optim")}, **flat},
+             "groups and null flat keys": {**hparams, **dict.fromkeys(MOVED_BY_HAND)}}
+    for version, (form, old) in enumerate(forms.items(), start=1):
+        torch.save({**saved, "hyper_parameters": old}, ckpt)
+        resumed = resume_fit(tmp_path, f"resumed{version}", run, 2, "--ckpt_path", "last", "--model.update.clip_eps", "0.1")
+        assert resumed.returncode == 0, (form, resumed.stderr[-3000:])
+        assert not [line for line in resumed.stderr.splitlines() if " is now model." in line], form
+        assert resume_lines(resumed) == [
+            f"[lldslight] resuming from {ckpt}: 1 setting(s) taken from the checkpoint, not your config: "
+            "model.update.clip_eps=0.2 (yours: 0.1); --resume_override model.update.clip_eps (or all) uses yours"], form
+        # warm-up 4 steps: step 1 (0-based) runs at 2/4 of the rate
+        assert metrics(run / "tiny" / f"version_{version}" / "metrics.csv")[1]["train/lr"] == pytest.approx(1e-3 * 2 / 4, rel=1e-6), form
+    # GRPOModule.load_from_checkpoint of the last form (every checkpoint before this release):
+    # Lightning passes the module only the arguments its signature has, so the null flat keys drop out.
     from lldslight.module import GRPOModule
 
-    ckpt = _old_cli_checkpoint(tmp_path / "old.ckpt")
-    hparams = torch.load(ckpt, weights_only=True)["hyper_parameters"]
-    module = instantiate_module(GRPOModule, {k: v for k, v in hparams.items() if k != "_instantiator"})
-    assert module.optim_config.lr == 2e-3 and module.optim_config.betas == (0.8, 0.99)
-    assert module.update_config.kl_estimator == "k1" and module.update_config.clip_eps == 0.3
+    module = GRPOModule.load_from_checkpoint(ckpt)
+    assert module.optim_config.lr == 1e-3 and module.update_config.clip_eps == 0.2
 
 
 # -- the learning-rate setter ----------------------------------------------------------------------------------------

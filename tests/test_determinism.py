@@ -88,7 +88,7 @@ CONFIG = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.ParityRewa
       init_args: {{plot: false}}
   deterministic: true
 model:
-  updates_per_rollout: 2
+  update: {{updates_per_rollout: 2}}
 """
 
 

@@ -32,8 +32,9 @@ RETRIEVER = """
           init_args: {corpus: .lldslight/tiny_data/corpus.jsonl}"""
 MODEL = """
 model:
-  shuffle_minibatches: false
-  grad_clip: 0.05   # small enough to clip: exercises clipping of sharded gradients
+  update:
+    shuffle_minibatches: false
+    grad_clip: 0.05   # small enough to clip: exercises clipping of sharded gradients
 """
 MULTI = """
 trainer:
@@ -182,7 +183,7 @@ def test_fsdp1_strategy_is_refused_with_a_pointer_to_fsdp2():
     fsdp2_strategy_check(FSDP2Strategy())
 
 
-FULL_FT = ("--model.policy.lora", "null", "--model.kl_coef", "0.05", "--model.lr", "1e-3")
+FULL_FT = ("--model.policy.lora", "null", "--model.update.kl_coef", "0.05", "--model.optim.lr", "1e-3")
 
 
 @pytest.mark.slow

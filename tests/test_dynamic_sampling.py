@@ -252,8 +252,7 @@ trainer:
         reward: {{class_path: run_helpers.SplitReward, init_args: {{tie_every: 2}}}}
         rollout: {{group_size: 4, max_turns: 1, max_new_tokens: 6, max_obs_tokens: 16, max_response_tokens: 40, topk: 1}}
 model:
-  updates_per_rollout: 2
-  micro_batch_size: 4
+  update: {{updates_per_rollout: 2, micro_batch_size: 4}}
 """
 
 

@@ -62,9 +62,8 @@ def test_the_module_is_a_learner_with_the_update_config_it_is_given():
 
 
 def test_update_choice_sets_are_defined_once_and_checked():
-    """The deprecated flat arguments of GRPOModule are typed with the group's own type, made
-    Optional (the Literal choice sets: update.py's, objectives.py's, optim.py's), and a group
-    refuses a value outside its choices, naming the key and the choices."""
+    """A group refuses a value outside its choices (the Literal choice sets: update.py's,
+    objectives.py's, optim.py's), naming the key and the choices."""
     import typing
 
     from lldslight.errors import ConfigError
@@ -72,12 +71,6 @@ def test_update_choice_sets_are_defined_once_and_checked():
     from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
-    from lldslight.deprecated_keys import GROUP_OF
-
-    module_types = typing.get_type_hints(GRPOModule.__init__)
-    hints = {**typing.get_type_hints(UpdateConfig), **typing.get_type_hints(OptimConfig)}
-    for name in GROUP_OF:
-        assert module_types[name] == typing.Optional[hints[name]], name
     update_types = typing.get_type_hints(UpdateConfig)
     for key, bad in (("aggregation", "mean"), ("kl_estimator", "k2"), ("old_logp_source", "cache"),
                      ("minibatch_grouping", "groups"), ("negative_advantages", "flip")):
@@ -91,8 +84,8 @@ def test_update_choice_sets_are_defined_once_and_checked():
 def test_the_groups_are_taken_whole_and_documented():
     """GRPOModule takes UpdateConfig and OptimConfig whole (a field added to one is a YAML key with
     no forwarding code), each field keeps its default in its dataclass only, and every field is
-    typed and documented (an attribute docstring after it, as litgpt's TrainArgs); the deprecated
-    flat arguments are exactly the old release's flat keys, each a field of its group, defaulting to None."""
+    typed and documented (an attribute docstring after it, as litgpt's TrainArgs); the old
+    release's flat keys are each a field of their group and no argument of GRPOModule's."""
     from lldslight.deprecated_keys import GROUP_OF
     from lldslight.module import GRPOModule
     from lldslight.optim import OptimConfig
@@ -102,9 +95,7 @@ def test_the_groups_are_taken_whole_and_documented():
     assert params["update"].default == UpdateConfig() and params["optim"].default == OptimConfig()
     groups = {"update": {f.name for f in dataclasses.fields(UpdateConfig)}, "optim": {f.name for f in dataclasses.fields(OptimConfig)}}
     assert len(GROUP_OF) == 23 and all(key in groups[group] for key, group in GROUP_OF.items())  # the old release's flat keys
-    flat = {name for name, p in params.items() if name not in ("self", "policy", "update", "optim", "logprob_temperature",
-                                                                "logprob_chunk_size", "fsdp")}
-    assert flat == set(GROUP_OF) and all(params[name].default is None for name in flat)
+    assert set(params) == {"self", "policy", "update", "optim", "logprob_temperature", "logprob_chunk_size", "fsdp"}
     for path, cls in ((PACKAGE / "update.py", "UpdateConfig"), (PACKAGE / "optim.py", "OptimConfig")):
         body = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls).body
         for i, stmt in enumerate(body):

@@ -29,7 +29,8 @@ CONFIG = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.ParityRewa
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{save_last: true, every_n_train_steps: 1}}
 model:
-  warmup_steps: 20   # a rising rate: the held one differs from what the warm-up would give after the resume
+  optim:
+    warmup_steps: 20   # a rising rate: the held one differs from what the warm-up would give after the resume
 """
 LR = 1e-3  # configs/tiny.yaml
 

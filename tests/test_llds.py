@@ -335,7 +335,7 @@ def test_tiny_fit_turns_llds_on_in_later_minibatches(tmp_path, monkeypatch):
     main([
         "fit", "--config", str(base_path), "--config", str(REPO / "configs/llds.yaml"),
         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_steps", "1",
-        "--model.lr", "0.02", "--model.kl_coef", "0", "--model.shuffle_minibatches", "false",
+        "--model.optim.lr", "0.02", "--model.update.kl_coef", "0", "--model.update.shuffle_minibatches", "false",
     ])
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     step = next(r for r in rows if r.get("llds/loss"))

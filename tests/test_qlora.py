@@ -215,7 +215,7 @@ RUN = TINY_RUN_HEAD + """        reward: {{class_path: run_helpers.ParityReward}
 {extra}    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{save_last: true, every_n_train_steps: 1}}
 model:
-  lr: 1.0e-3
+  optim: {{lr: 1.0e-3}}
 """
 
 

@@ -159,8 +159,7 @@ def test_a_resume_names_every_setting_it_takes_from_the_checkpoint(tmp_path):
     assert saved["hyper_parameters"]["optim"]["lr"] == 1e-3 and saved["lr_schedulers"][0]["base_lrs"] == [5e-4]
 
     # warm-up factor at step 2 (0-based) with warmup_steps 4: min(1, 3/4); train/lr is logged in float32
-    # --model.lr: a deprecated flat key, folded into model.optim.lr before the comparison
-    plain = resume_fit(tmp_path, "plain", run, 3, "--ckpt_path", "last", "--model.lr", "3e-4", "--model.update.clip_eps", "0.1",
+    plain = resume_fit(tmp_path, "plain", run, 3, "--ckpt_path", "last", "--model.optim.lr", "3e-4", "--model.update.clip_eps", "0.1",
                        "--model.policy.lora.r", "8")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert resume_lines(plain) == [

@@ -83,7 +83,7 @@ def test_require_choice_names_the_key_the_choices_and_the_value():
     Mode = Literal["token-mean", "seq-mean-token-mean"]
     assert choices(Mode) == ("token-mean", "seq-mean-token-mean") and choices(("a",)) == ("a",)
     assert one_of(("a",)) == "'a'" and one_of(("a", "b", "c")) == "'a', 'b' or 'c'"
-    require_choice("token-mean", "model.aggregation", Mode)
-    with pytest.raises(ConfigError, match=r"^model.aggregation must be 'token-mean' or 'seq-mean-token-mean', got 'mean'$"):
-        require_choice("mean", "model.aggregation", Mode)
+    require_choice("token-mean", "model.update.aggregation", Mode)
+    with pytest.raises(ConfigError, match=r"^model.update.aggregation must be 'token-mean' or 'seq-mean-token-mean', got 'mean'$"):
+        require_choice("mean", "model.update.aggregation", Mode)
     assert issubclass(ConfigError, ValueError)  # callers that catch ValueError keep working
