@@ -174,6 +174,10 @@ class GRPOModule(pl.LightningModule):
         callbacks = self._trainer.callbacks if self._trainer is not None else []
         if not any(isinstance(cb, GroupSignal) for cb in callbacks):
             added.append(GroupSignal())
+        from lldslight.callbacks.step_row import StepRow
+
+        if not any(isinstance(cb, StepRow) for cb in callbacks):
+            added.append(StepRow())  # a checkpoint carries its step's metrics row (a resume writes a lost one back)
         return added
 
     def add_loss_term(self, name: str, fn: LossTerm) -> None:

@@ -10,6 +10,7 @@ as a subprocess (PYTHONPATH=tests, so YAML names them as ``run_helpers.X``).
   ranks' mini-batches); optionally it first re-samples step 0 from each rank's recorded prompts
   and RNG state with the unsharded policy and requires the very same tokens.
 - ``KillAtStep``: SIGKILLs its own process in the middle of a step (after the rollout).
+- ``KillBeforeRow``: a CSVLogger that SIGKILLs its process between a step's checkpoint and its row.
 - ``SplitReward``: a reward that ties some prompts for good (dynamic sampling must drop them) and
   splits the others by response-length parity.
 - ``CountGenerate``: records, per step and rank, every generate call's groups and rewards and the
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
 import torch
 
 from lldslight.retrieval.base import Retriever
@@ -221,3 +223,17 @@ TINY_RUN_HEAD = """trainer:
 KILL = """    - class_path: run_helpers.KillAtStep
       init_args: {{step: {step}}}
 """
+
+
+class KillBeforeRow(CSVLogger):
+    """A CSVLogger that SIGKILLs the process when the training row of step ``kill_step`` (0-based)
+    reaches it: after that step's checkpoint was renamed into place, before its row is written."""
+
+    def __init__(self, *args, kill_step: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kill_step = kill_step
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if step == self.kill_step and "train/loss" in metrics:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().log_metrics(metrics, step)

@@ -68,6 +68,38 @@ def metrics(path: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.mark.slow
+def test_a_kill_between_a_checkpoint_and_its_row_keeps_one_row_a_step(tmp_path):
+    """SIGKILL after step 1's last.ckpt was renamed into place and before its metrics row was
+    written: the resumed run starts at step 2, so without the row saved in the checkpoint
+    (lldslight/callbacks/step_row.py) step 1 had no row anywhere."""
+    full_dir, run_dir = tmp_path / "full", tmp_path / "run"
+    full = fit(tmp_path, "full", full_dir)
+    assert full.returncode == 0, full.stderr[-3000:]
+    kill = (f"trainer:\n  logger:\n    class_path: run_helpers.KillBeforeRow\n    init_args: {{save_dir: {run_dir}, name: tiny, "
+            "flush_logs_every_n_steps: 1, kill_step: 1}\n")
+    killed = fit(tmp_path, "killed", run_dir, args=("--config", kill))
+    assert killed.returncode == -9, f"expected SIGKILL, got {killed.returncode}\n{killed.stderr[-3000:]}"
+    ckpts = run_dir / "tiny" / "version_0" / "checkpoints"
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert sorted(metrics(run_dir / "tiny" / "version_0" / "metrics.csv")) == [0]  # step 1's row never written
+
+    resumed = fit(tmp_path, "resumed", run_dir, args=("--ckpt_path", "last"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the metrics of step 1 were not written before the run stopped; written now" in resumed.stderr
+    want = metrics(full_dir / "tiny" / "version_0" / "metrics.csv")
+    before = metrics(run_dir / "tiny" / "version_0" / "metrics.csv")
+    after = metrics(run_dir / "tiny" / "version_1" / "metrics.csv")
+    assert sorted(before) == [0] and sorted(after) == list(range(1, STEPS)), (sorted(before), sorted(after))
+    got = {**before, **after}
+    for step in range(STEPS):
+        keys = {k for k in want[step] if k.startswith(("train/", "lld/", "rollout/"))}
+        assert keys == {k for k in got[step] if k.startswith(("train/", "lld/", "rollout/"))}, (step, keys ^ set(got[step]))
+        for key in sorted(keys):
+            a, b = want[step][key], got[step][key]
+            assert a == b or (math.isnan(a) and math.isnan(b)), (step, key, a, b)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
 def test_sigkilled_fit_resumes_exactly(tmp_path, dynamic):
     full_dir, run_dir = tmp_path / "full", tmp_path / "run"
