@@ -46,6 +46,7 @@ from typing import Optional
 
 import yaml
 
+from lldslight.errors import UserError
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -401,6 +402,17 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
 # --------------------------------------------------------------------------- main
 
 
+def recorded_meta(previous: Path) -> dict:
+    """The ``meta`` a set's collapse.json recorded; one line naming the file when it is not a report."""
+    try:
+        payload = json.loads(previous.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"collapse: {previous}: not a readable collapse report ({err})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("meta"), dict):
+        raise SystemExit(f"collapse: {previous}: no 'meta' (what the set ran with): not a collapse report lab/collapse.py wrote")
+    return payload["meta"]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Arguments after `--` go to every `lldslight fit`.")
     parser.add_argument("--name", default=None, help="the experiment's name: runs in runs/lab/NAME, archive in lab/archive/collapse/NAME")
@@ -434,10 +446,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = args.name or ("smoke" if args.smoke else None)
     if name is None and not (args.out and args.archive):
         raise SystemExit("collapse: give --name (or --out and --archive)")
+    if args.hold is not None and args.hold < 1:
+        # 0 was read as "not given", and the archive's hold reported silently
+        raise SystemExit(f"collapse: --hold must be >= 1 (consecutive steps the collapse condition holds), got {args.hold}")
     out = (ROOT / (args.out or f"runs/lab/{name}")).resolve()
     archive = (ROOT / (args.archive or f"{ARCHIVE}/{name}")).resolve()
     previous = archive / "collapse.json"
-    recorded = json.loads(previous.read_text())["meta"] if args.report_only and previous.is_file() else {}
+    recorded = recorded_meta(previous) if args.report_only and previous.is_file() else {}
     # A report labels each arm from its file: a set run from another arms folder records it.
     args.arms_dir = args.arms_dir or recorded.get("arms_dir") or "lab/configs/arms"
     available = arms_in(ROOT / args.arms_dir)
@@ -472,8 +487,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         hold = args.hold or meta.get("hold") or C.CollapseCriteria().hold
         if args.hold and args.hold != (meta.get("hold") or C.CollapseCriteria().hold):
             meta["hold"] = args.hold
-        report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta,
-               C.CollapseCriteria(hold=hold), draw=not args.no_figure)
+        try:
+            report(archive, jobs, labels, args.baseline or meta.get("baseline") or arms[0], horizon, meta,
+                   C.CollapseCriteria(hold=hold), draw=not args.no_figure)
+        except UserError as err:  # a damaged archived file: named, and the committed report left as it is
+            raise SystemExit(f"collapse: {err}") from None
         return 0
 
     recipe = args.recipe or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE)
@@ -532,7 +550,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = {(arm, seed): fit_command(recipe, available[arm][1].relative_to(ROOT), out, arm, seed, policy_of[seed], args.steps,
                                          args.extra_configs, overrides) for arm, seed in todo}
     previous = archive / "collapse.json"
-    earlier = json.loads(previous.read_text())["meta"].get("runs", {}) if previous.is_file() else {}
+    earlier = recorded_meta(previous).get("runs", {}) if previous.is_file() else {}
     new_runs = run_all(commands, out, archive, args.jobs, args.threads)
     # A set spans sessions and maybe machines: each run keeps the machine kind it ran on (CPU model,
     # SIMD flags, its init's digest), the stratum of a stratified test.
@@ -544,9 +562,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     # (a set filled round by round once kept only its last round's machine kinds and CPU times).
     meta["runs"] = {**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
     meta["wall_s"] = time.perf_counter() - t0
-    meta["hold"] = args.hold or (json.loads(previous.read_text())["meta"].get("hold") if previous.is_file() else None) \
+    meta["hold"] = args.hold or (recorded_meta(previous).get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold
-    report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
+    try:
+        report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
+    except UserError as err:
+        raise SystemExit(f"collapse: {err}") from None
     failed = [n for n, r in meta["runs"].items() if "error" in r]
     if failed:
         print(f"collapse: {len(failed)} run(s) failed: {', '.join(failed)} (see collapse.md)", file=sys.stderr)

@@ -173,3 +173,39 @@ def test_a_set_filled_in_rounds_keeps_every_runs_entry(collapse, tmp_path, monke
     runs = json.loads((archive / "collapse.json").read_text())["meta"]["runs"]
     assert sorted(runs) == ["grpo/seed1", "grpo/seed2", "llds/seed1", "llds/seed2"]
     assert runs["grpo/seed2"]["cpu_s"] == 52.0 and runs["grpo/seed1"]["machine_kind"]["init_digest"] == "d0"
+
+
+def a_reported_set(collapse, tmp_path: Path) -> dict[str, bytes]:
+    """One archived run and its report, as a set's committed files; their bytes."""
+    archived(tmp_path / "grpo" / "seed0", [0.8] * 30)
+    collapse.report(tmp_path, [("grpo", 0)], {}, "grpo", 30, {"arms": ["grpo"], "seeds": [0], "hold": 20})
+    return {p.name: p.read_bytes() for p in tmp_path.glob("collapse.*")}
+
+
+def test_hold_zero_is_refused_not_read_as_the_archives(collapse, tmp_path) -> None:
+    before = a_reported_set(collapse, tmp_path)
+    with pytest.raises(SystemExit, match=r"^collapse: --hold must be >= 1 .*, got 0$"):
+        collapse.main(["--report-only", "--archive", str(tmp_path), "--out", str(tmp_path / "runs"), "--hold", "0"])
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("collapse.*")} == before
+
+
+@pytest.mark.parametrize("damage", ["garbled", "truncated"])
+def test_a_damaged_archived_gzip_is_named_and_the_report_kept(collapse, tmp_path, damage) -> None:
+    before = a_reported_set(collapse, tmp_path)
+    gz = tmp_path / "grpo" / "seed0" / "metrics.csv.gz"
+    data = bytearray(gz.read_bytes())
+    if damage == "garbled":
+        data[20:40] = b"\xff" * 20  # the deflate stream itself (zlib.error, which named no file)
+    else:
+        data = data[: len(data) // 2]
+    gz.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=rf"^collapse: {gz}: not a readable metrics CSV \("):
+        collapse.main(["--report-only", "--archive", str(tmp_path), "--out", str(tmp_path / "runs")])
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("collapse.*")} == before
+
+
+def test_a_collapse_json_without_meta_is_named(collapse, tmp_path) -> None:
+    a_reported_set(collapse, tmp_path)
+    (tmp_path / "collapse.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(SystemExit, match=rf"^collapse: {tmp_path / 'collapse.json'}: no 'meta' .*not a collapse report"):
+        collapse.main(["--report-only", "--archive", str(tmp_path), "--out", str(tmp_path / "runs")])

@@ -188,6 +188,8 @@ def read_metrics(path) -> "pandas.DataFrame":
 
     import pandas as pd
 
+    import zlib
+
     from lldslight.errors import MissingFileError, UserError
 
     path = Path(path)
@@ -212,7 +214,8 @@ def read_metrics(path) -> "pandas.DataFrame":
             where = f"byte {data[whole.start:whole.start + 1]!r} at offset {whole.start}, line {line}"
         raise UserError(f"{path}: not UTF-8 text ({where or 'undecodable bytes'}); "
                         "is this a Lightning CSVLogger metrics.csv?") from None
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError) as err:
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, EOFError, zlib.error) as err:
+        # zlib.error: a .gz whose compressed blocks are damaged (a truncated one is an EOFError)
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"{path}: not a readable metrics CSV ({first_line})") from None
     if "step" not in frame.columns:
