@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -790,6 +791,19 @@ def shown(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
+def check_demo(demo: Path) -> None:
+    """``--demo`` names the demo transfer check's archive: a folder with its arms' folders. A missing
+    folder, a file or another archive counted as "0 of 9 runs archived" and exited 0."""
+    what = f"the demo transfer check's archive (a folder of {', '.join(f'{a}/' for a in C3_DEMO_ARMS)})"
+    if not demo.exists():
+        raise SystemExit(f"confirmatory: --demo {demo}: no such directory; give {what}")
+    if not demo.is_dir():
+        raise SystemExit(f"confirmatory: --demo {demo}: a file, not {what}")
+    if not any((demo / arm).is_dir() for arm in C3_DEMO_ARMS):
+        raise SystemExit(f"confirmatory: --demo {demo} holds none of the demo transfer check's arms "
+                         f"({', '.join(C3_DEMO_ARMS)}): not its archive")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
@@ -800,7 +814,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="the real-model lab's Stage B (lab/archive/collapse/real_lm_B, PREREGISTRATION_real_lm_B.md)")
     which.add_argument("--controller", type=Path, default=None, metavar="ARCHIVE",
                        help="print the rate controller's figures C3 reports, per run of one set's archive (e.g. C3's pilot); no test")
-    parser.add_argument("--demo", type=Path, default=C3_DEMO, help="with --c3: the demo transfer check's archive (default lab/archive/demo/c3_transfer)")
+    parser.add_argument("--demo", type=Path, default=None, help="with --c3: the demo transfer check's archive (default lab/archive/demo/c3_transfer)")
     parser.add_argument("--json", type=Path, default=None,
                         help="where to write the analysis (default SET/c1.json; with --c2 / --c3, c2.json / c3.json beside the sets)")
     args = parser.parse_args(argv)
@@ -812,6 +826,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"confirmatory: --json {args.json}: is a directory; give the file to write (e.g. {args.json / 'c1.json'})")
         if not args.json.parent.is_dir():
             raise SystemExit(f"confirmatory: --json {args.json}: no such directory {args.json.parent}")
+        try:  # a read-only place: refused now, not after the whole analysis
+            with tempfile.NamedTemporaryFile(dir=args.json.parent, prefix=f".{args.json.name}."):
+                pass
+        except OSError as err:
+            raise SystemExit(f"confirmatory: --json {args.json}: cannot write in {args.json.parent} ({err.strerror or err})") from None
+    if args.demo is not None and args.c3:
+        check_demo(args.demo)
     if args.c2:
         if not any((args.set.parent / name / "collapse.json").is_file() for name, _ in C2_SETS.values()):
             raise SystemExit(f"confirmatory: no C2 set (c2_*/collapse.json, c1_5e-4/collapse.json) in {args.set.parent}: with --c2, "
@@ -827,7 +848,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not ((lab / "C3.md").is_file() or any((lab / name / "collapse.json").is_file() for name, _, _ in {**C3_SETS, **C3_LLDS}.values())):
             raise SystemExit(f"confirmatory: neither C3.md nor a C3 set (c3_*/collapse.json) in {lab}: with --c3, "
                              "--set must be a set inside the lab's archive (lab/archive/collapse/<name>)")
-        rep = c3_report(lab, args.demo)
+        rep = c3_report(lab, args.demo or C3_DEMO)
         print(c3_text(rep), end="")
         path = args.json or lab / "c3.json"
     elif args.real_lm_b:

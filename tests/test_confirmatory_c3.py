@@ -6,6 +6,7 @@ that computes no test, and the demo transfer check."""
 import csv
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from conftest import load_lab
@@ -227,7 +228,8 @@ def test_demo_transfer_check_by_hand(conf, tmp_path):
 
 def test_main_writes_c3_json_and_names_a_folder_without_c3(conf, tmp_path, capsys):
     lab = make_c3(tmp_path / "lab")
-    assert conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--demo", str(tmp_path / "no_demo")]) == 0
+    (tmp_path / "demo" / "shipped").mkdir(parents=True)  # the demo check's archive, none of its runs yet
+    assert conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--demo", str(tmp_path / "demo")]) == 0
     assert "Goal: met." in capsys.readouterr().out and json.loads((lab / "c3.json").read_text())["goal_met"] is True
     with pytest.raises(SystemExit, match=r"confirmatory: neither C3.md nor a C3 set .* in .*: with --c3, --set must be a set"):
         conf.main(["--c3", "--set", str(tmp_path / "elsewhere" / "x")])
@@ -245,3 +247,29 @@ def test_controller_table_of_one_set(conf, tmp_path, capsys):
     out = capsys.readouterr().out
     # the first 100 steps: 10 periods, the same shares; 20 stopped steps
     assert "| stable/seed0 | 100 | no | 1.00e-04 / 3.00e-04 / 5.00e-04 | 0.40 | 0.30 | 6.90 | 20 | 0.70 | 0.00100 |" in out
+
+
+def test_a_demo_folder_that_is_not_the_demo_checks_archive_is_refused(conf, tmp_path, capsys):
+    """A missing folder, a file or another archive as --demo: it exited 0 with "0 of 9 runs archived"."""
+    lab = make_c3(tmp_path / "lab")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "other" / "grpo" / "seed0").mkdir(parents=True)
+    for demo, why in (("missing", "no such directory"), ("a_file", "a file, not the demo transfer check's archive"),
+                      ("other", "holds none of the demo transfer check's arms")):
+        with pytest.raises(SystemExit, match=rf"^confirmatory: --demo {tmp_path / demo}:? {why}"):
+            conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--demo", str(tmp_path / demo)])
+        assert capsys.readouterr().out == "" and not (lab / "c3.json").exists()
+
+
+def test_json_where_it_cannot_be_written_is_refused_before_the_analysis(conf, tmp_path, capsys):
+    lab = make_c3(tmp_path / "lab")
+    target = Path("/sys/c3.json")  # a folder no process may create files in, root's included (Linux)
+    try:
+        target.open("w").close()
+        target.unlink()
+        pytest.skip("/sys takes new files here")
+    except OSError:
+        pass
+    with pytest.raises(SystemExit, match=rf"^confirmatory: --json {target}: cannot write in /sys \("):
+        conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--json", str(target)])
+    assert capsys.readouterr().out == ""  # nothing analysed first
