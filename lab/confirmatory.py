@@ -60,11 +60,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Optional
 
+from lldslight.errors import UserError
 from lldslight.science import collapse as C
+from lldslight.writes import check_writable
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median
@@ -827,10 +828,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.json.parent.is_dir():
             raise SystemExit(f"confirmatory: --json {args.json}: no such directory {args.json.parent}")
         try:  # a read-only place: refused now, not after the whole analysis
-            with tempfile.NamedTemporaryFile(dir=args.json.parent, prefix=f".{args.json.name}."):
-                pass
-        except OSError as err:
-            raise SystemExit(f"confirmatory: --json {args.json}: cannot write in {args.json.parent} ({err.strerror or err})") from None
+            check_writable(args.json.parent, f"--json {args.json}")
+        except UserError as err:
+            raise SystemExit(f"confirmatory: {err}") from None
     if args.demo is not None and args.c3:
         check_demo(args.demo)
     if args.c2:

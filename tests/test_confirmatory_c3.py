@@ -270,6 +270,6 @@ def test_json_where_it_cannot_be_written_is_refused_before_the_analysis(conf, tm
         pytest.skip("/sys takes new files here")
     except OSError:
         pass
-    with pytest.raises(SystemExit, match=rf"^confirmatory: --json {target}: cannot write in /sys \("):
+    with pytest.raises(SystemExit, match=rf"^confirmatory: --json {target}: cannot write to /sys: "):
         conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--json", str(target)])
     assert capsys.readouterr().out == ""  # nothing analysed first
