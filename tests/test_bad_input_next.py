@@ -199,3 +199,60 @@ def test_ckpt_path_last_finds_the_checkpoint_with_a_second_logger(tmp_path, caps
     with open(resumed / "metrics.csv") as f:
         steps = {int(r["step"]) for r in csv.DictReader(f) if r.get("train/reward")}
     assert steps == {1}, steps  # one step trained, from the checkpoint's
+
+
+# --------------------------------------------------------------------------- the per-turn tables
+
+
+def trajectory_table(**init_args) -> str:
+    args = ", ".join(f"{k}: {v}" for k, v in init_args.items())
+    return f"trainer:\n  callbacks+:\n    - class_path: lldslight.callbacks.TrajectoryTable\n      init_args: {{{args}}}\n"
+
+
+def test_a_table_folder_that_cannot_be_written_fails_before_the_model_loads(work, unloadable_model, capsys):
+    in_the_way = work / "a_file"
+    in_the_way.write_text("mine\n")
+    cfg = tiny_config(work / "table.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_table", "--config", trajectory_table(out_dir=str(in_the_way / "tables"))),
+                        work, capsys)
+    assert_one_line_error(code, err, "fit", f"TrajectoryTable.out_dir: cannot write to {in_the_way / 'tables'}: Not a directory")
+    assert in_the_way.read_text() == "mine\n"
+
+
+def test_two_tables_writing_the_same_files_are_refused_before_the_model_loads(work, unloadable_model, capsys):
+    cfg = tiny_config(work / "tables2.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_tables2", "--config", trajectory_table(every_n_steps=1), "--config",
+                                 trajectory_table(every_n_steps=5, num_samples=2)), work, capsys)
+    assert_one_line_error(code, err, "fit", "trainer.callbacks: two TrajectoryTable write the files step_NNNNNN.md in",
+                          "give each its own out_dir and key")
+
+
+def test_a_full_disk_leaves_no_partial_step_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lldslight.callbacks.traces import TrajectoryTable
+    from lldslight.errors import UserError
+
+    real = Path.write_text
+
+    def half_then_full(self, data, *args, **kwargs):  # what a full disk does: part of the text, then ENOSPC
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    table = TrajectoryTable(out_dir=str(tmp_path / "tables"))
+    row = {c: "x" for c in ("step", "rollout", "group", "turn", "question", "gold", "action", "kind", "query", "observation",
+                             "answer", "reward", "advantage", "finish")}
+    with pytest.raises(UserError, match=r"TrajectoryTable: cannot write .*step_000003\.md: No space left on device"):
+        table.write(SimpleNamespace(log_dir=str(tmp_path), loggers=[]), [row], 3)
+    assert list((tmp_path / "tables").iterdir()) == []  # no 0-byte or half step file
+
+
+def test_control_characters_from_the_data_are_shown_as_escapes():
+    from lldslight.callbacks.traces import COLUMNS, TrajectoryTable
+
+    row = dict.fromkeys(COLUMNS, "")
+    row["question"] = "who\x1b[2J wrote\x07 it \u202eesrever"  # clear-screen, bell, right-to-left override
+    text = TrajectoryTable().markdown([row])
+    assert not any(c in text for c in "\x1b\x07\u202e")
+    assert "who\\x1b[2J wrote\\x07 it \\u202eesrever" in text.splitlines()[2]

@@ -25,13 +25,16 @@ configs/traces.yaml composes it with a TensorBoard and an offline W&B logger (do
 """
 from __future__ import annotations
 
+import os
+import unicodedata
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from lldslight.errors import require
+from lldslight.errors import ConfigError, UserError, require
 from lldslight.rollout.protocol import parse_action
+from lldslight.writes import check_writable, write_failure
 
 COLUMNS = ("step", "rollout", "group", "turn", "question", "gold", "action", "kind", "query", "observation", "answer",
            "reward", "advantage", "finish")
@@ -65,6 +68,25 @@ class TrajectoryTable(pl.Callback):
         self.out_dir = out_dir
         self.max_chars = max_chars
         self.written: list[Path] = []  # the markdown files, in order
+
+    def directory(self, trainer) -> Path:
+        return Path(self.out_dir or Path(trainer.log_dir or ".") / "trajectories")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        # Two tables writing one folder's step files (or one tag) would overwrite each other's.
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, TrajectoryTable):
+                continue
+            same_files = self.files and other.files and self.directory(trainer).resolve() == other.directory(trainer).resolve()
+            if same_files or other.key == self.key:
+                what = f"the files step_NNNNNN.md in {self.directory(trainer)}" if same_files else f"the tag/key {self.key!r}"
+                raise ConfigError(f"trainer.callbacks: two TrajectoryTable write {what}, each over the other's; give each "
+                                  "its own out_dir and key")
+        if self.files and trainer.is_global_zero:
+            # Before the model loads (a file in the way or a read-only folder failed after a whole step).
+            check_writable(self.directory(trainer), "TrajectoryTable.out_dir")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         traj = getattr(pl_module, "last_rollout", None)
@@ -121,6 +143,10 @@ class TrajectoryTable(pl.Callback):
             return "-"
         text = f"{value:.3f}" if isinstance(value, float) else str(value)
         text = " ".join(text.split()).replace("|", "\\|")
+        # Control and format characters from the data (ESC sequences a terminal runs when the file is
+        # shown, BEL, a right-to-left override that reverses what follows) are shown as escapes.
+        text = "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Cf") else c
+                       for c in text)
         return text if len(text) <= self.max_chars else text[: self.max_chars - 1] + "…"
 
     # -- the sinks -----------------------------------------------------------------------------------
@@ -129,10 +155,16 @@ class TrajectoryTable(pl.Callback):
         """The rows to every logger that shows a table, and to the step's markdown file."""
         text = self.markdown(rows)
         if self.files:
-            out = Path(self.out_dir or Path(trainer.log_dir or ".") / "trajectories")
-            out.mkdir(parents=True, exist_ok=True)
+            out = self.directory(trainer)
             path = out / f"step_{step:06d}.md"
-            path.write_text(f"# Trajectories at step {step}\n\n{text}\n")
+            partial = out / f".{path.name}.tmp{os.getpid()}"
+            try:  # whole or not at all: a full disk left a 0-byte step file
+                out.mkdir(parents=True, exist_ok=True)
+                partial.write_text(f"# Trajectories at step {step}\n\n{text}\n", encoding="utf-8")
+                os.replace(partial, path)
+            except OSError as err:
+                partial.unlink(missing_ok=True)
+                raise UserError(f"TrajectoryTable: cannot write {path}: {write_failure(err)}") from None
             self.written.append(path)
         for logger in trainer.loggers:
             if isinstance(logger, pl.loggers.TensorBoardLogger):  # its text tab renders markdown tables
