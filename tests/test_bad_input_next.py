@@ -256,3 +256,25 @@ def test_control_characters_from_the_data_are_shown_as_escapes():
     text = TrajectoryTable().markdown([row])
     assert not any(c in text for c in "\x1b\x07\u202e")
     assert "who\\x1b[2J wrote\\x07 it \\u202eesrever" in text.splitlines()[2]
+
+
+# --------------------------------------------------------------------------- data files
+
+
+@pytest.mark.parametrize("name, text", [
+    ("train.jsonl", b'{"question": "q1", "golden_answers": ["a"]}\n{"question": "caf\xe9", "golden_answers": ["b"]}\n'),
+    ("train.json", b'[{"question": "q1", "golden_answers": ["a"]},\n {"question": "caf\xe9", "golden_answers": ["b"]}]\n'),
+])
+def test_a_data_file_that_is_not_utf8_is_named_with_its_line(work, unloadable_model, capsys, name, text):
+    """A Latin-1 'é' in line 2: a traceback in fit, a line naming no file in `data inspect`."""
+    from lldslight.data.cli import main as data_main
+
+    bad = work / f"latin1_{name}"
+    bad.write_bytes(text)
+    needle = f"{bad}, line 2: not UTF-8 text (byte b'\\xe9' at column "
+    assert data_main(["inspect", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lldslight data: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+    cfg = tiny_config(work / "latin1.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_latin1", "--data.train_files", f"[{bad}]"), work, capsys)
+    assert_one_line_error(code, err, "fit", needle)

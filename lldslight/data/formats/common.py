@@ -103,11 +103,25 @@ def truthy(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.strip().lower() == "true")
 
 
+def not_utf8(path: str | os.PathLike, data: bytes, err: UnicodeDecodeError, line: Optional[int] = None) -> DataFormatError:
+    """A file that is not UTF-8 text, named with the bad byte's line and column (a bare
+    UnicodeDecodeError named no file). ``data``: the whole file, or line ``line`` of it."""
+    if line is None:
+        line = data.count(b"\n", 0, err.start) + 1
+    column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+    return DataFormatError(f"{path}, line {line}: not UTF-8 text (byte {data[err.start:err.start + 1]!r} at column "
+                           f"{column}); data files are read as UTF-8")
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, int, Any]]:
     """(row, line number, value) per non-blank line of a .jsonl file, streamed (wiki-18 has 21M)."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes, decoded line by line: a bad byte is named with its line
         row = 0
-        for i, line in enumerate(f):
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise not_utf8(path, raw, e, line=i + 1) from None
             if not line.strip():
                 continue
             try:
@@ -129,11 +143,15 @@ def read_json_records(path: str | os.PathLike) -> list[dict]:
                 raise field_error(p, row, None, f"line {line_no} is not a JSON object")
             records.append(rec)
         return records
-    with open(p, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise field_error(p, None, None, f"not valid JSON ({e.msg} at line {e.lineno})") from e
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise not_utf8(p, raw, e) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise field_error(p, None, None, f"not valid JSON ({e.msg} at line {e.lineno})") from e
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]  # some dumps wrap the array
     if not isinstance(data, list):
