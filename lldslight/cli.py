@@ -166,6 +166,7 @@ def _cli_class():
             locks = _claim_run_dirs(self.trainer, bool(sub.get("force")), sub.get("ckpt_path"), subcommand) if is_rank_zero() else []
             previous = stopping.install()
             try:
+                _check_wandb_online(self.trainer)
                 super()._run_subcommand(subcommand)
             except SystemExit as err:  # Lightning's graceful stop after Ctrl-C or SIGTERM
                 raise _stopped(self.trainer, subcommand) or err
@@ -604,6 +605,45 @@ def _check_logger_packages(configs: list[tuple[str, Any]]) -> None:
                     how = (f"pip install -e '.[{extra}]' in your lldslight clone, or pip install {packages[0]}" if extra
                            else f"pip install {packages[0]}")
                     raise ConfigError(f"{name}: trainer.{key} {cls} needs the {packages[0]} package, which is not installed: {how}")
+
+
+def _check_wandb_online(trainer: Any) -> None:
+    """An online WandbLogger without an API key, or with its server out of reach, failed at the
+    run's first log, after wandb's own retries (22-117 s), in a traceback. Said in one line before
+    the model loads: the key is looked up where wandb looks (``wandb.login`` without a prompt and
+    without a request), the server is asked once, with a short timeout."""
+    import urllib.error
+    import urllib.request
+
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lldslight.errors import ConfigError
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    # Lightning's WandbLogger keeps offline / mode in private attributes only.
+    online = [lg for lg in getattr(trainer, "loggers", None) or [] if isinstance(lg, WandbLogger)
+              and not getattr(lg, "_offline", False) and (getattr(lg, "_wandb_init", None) or {}).get("mode") not in ("offline", "disabled")]
+    if not online or not trainer.is_global_zero:
+        return
+    import wandb
+
+    settings = wandb.Settings()  # as wandb.init reads them: its settings files, then the environment
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    host = str(settings.base_url)
+    where = "trainer.logger WandbLogger (offline: false)"
+    if not wandb.login(prompt=False, verify=False, host=host):
+        raise ConfigError(f"{where}: no W&B API key for {host}: set WANDB_API_KEY or run `wandb login`, or give the logger "
+                          "offline: true (configs/traces.yaml) and upload the run later with `wandb sync`")
+    try:
+        urllib.request.urlopen(host, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # it answered: reachable
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise ConfigError(f"{where}: the W&B server {host} is out of reach ({reason}): check WANDB_BASE_URL and the network, "
+                          "or give the logger offline: true and upload the run later with `wandb sync`") from None
 
 
 LOGGER_FLAG = "--trainer.logger.init_args."

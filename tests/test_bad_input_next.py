@@ -278,3 +278,39 @@ def test_a_data_file_that_is_not_utf8_is_named_with_its_line(work, unloadable_mo
     cfg = tiny_config(work / "latin1.yaml", model=unloadable_model)
     code, err = run_cli(fit_args(cfg, work / "runs_latin1", "--data.train_files", f"[{bad}]"), work, capsys)
     assert_one_line_error(code, err, "fit", needle)
+
+
+# --------------------------------------------------------------------------- W&B online
+
+
+WANDB_ONLINE = ("trainer:\n  logger+:\n    - class_path: lightning.pytorch.loggers.WandbLogger\n"
+                "      init_args: {save_dir: runs, project: lldslight-test, offline: false}\n")
+
+
+@pytest.fixture
+def wandb_home(tmp_path, monkeypatch):
+    """No W&B credentials anywhere wandb looks (environment, settings, netrc)."""
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    return tmp_path
+
+
+def test_wandb_online_without_a_key_is_one_line_before_the_model_loads(work, unloadable_model, capsys, wandb_home):
+    cfg = tiny_config(work / "wandb.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_wandb", "--config", WANDB_ONLINE), work, capsys)
+    assert_one_line_error(code, err, "fit", "trainer.logger WandbLogger (offline: false): no W&B API key for ",
+                          "set WANDB_API_KEY", "offline: true")
+
+
+def test_wandb_online_with_its_server_out_of_reach_is_one_line_before_the_model_loads(work, unloadable_model, capsys,
+                                                                                     wandb_home, monkeypatch):
+    from tests.test_bad_input import dead_port
+
+    url = f"http://127.0.0.1:{dead_port()}"
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef" * 5)
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    cfg = tiny_config(work / "wandb_dead.yaml", model=unloadable_model)
+    code, err = run_cli(fit_args(cfg, work / "runs_wandb_dead", "--config", WANDB_ONLINE), work, capsys)
+    assert_one_line_error(code, err, "fit", f"trainer.logger WandbLogger (offline: false): the W&B server {url} is out of reach (")
