@@ -41,6 +41,9 @@ VLLMGenerate)``, a vLLM server on loopback that the worker starts from ``--vllm-
 each rollout (inside ``generation_s``; ``sync_s`` is that push), the server computing on the same
 cores as the trainer. Reported: ``step_time_ratio_vllm`` (against TRL), ``vllm_ratios`` (against
 the engine's side: step, generation, generation tokens/s) and ``vllm_sync_s``. Single workload only.
+``--vllm-mode inprocess`` runs ``vllm.LLM`` inside that worker instead (the worker then runs from
+``--vllm-python``), and ``--vllm-weights merged`` (in process only) pushes the merged weights
+instead of the adapter: the two pushes' costs, compared by ``vllm_sync_s``.
 
 Timing (benchmarks/harness.py): each side runs in its own subprocess (its own peak RSS), one
 warm-up step then ``--steps`` measured steps; sides alternate A B A B for ``--rounds`` rounds per
@@ -323,7 +326,8 @@ def single_parts(spec: dict):
         # cost is also sync_s). Without the weight-sync probe, which would push it after the step,
         # outside the timed step; the probe's own cost is left out of every side alike (the
         # engine's runs after the Timer's end of step).
-        backend = dict(backend=functools.partial(VLLMGenerate, mode="server", python=spec["vllm_python"]), sync_tolerance=None)
+        backend = dict(backend=functools.partial(VLLMGenerate, mode=spec.get("vllm_mode", "server"), python=spec["vllm_python"],
+                                                 weights=spec.get("vllm_weights", "lora")), sync_tolerance=None)
     callback = SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout, **backend)
     return GRPOModule(**module_groups(spec)), callback, examples
 
@@ -882,7 +886,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm", choices=["off", "on"], default="off",
                    help="also run lldslight with its rollouts from a vLLM server (lldslight-vllm; needs .venv-vllm: "
                         "bash scripts/setup_vllm.sh): step_time_ratio_vllm against TRL, vllm_ratio against the engine")
-    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the interpreter that runs the vLLM server")
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the interpreter that runs the vLLM server (in process: the worker)")
+    p.add_argument("--vllm-mode", choices=["server", "inprocess"], default="server",
+                   help="lldslight-vllm: a server (the worker runs here) or vllm.LLM in the worker, which then runs from --vllm-python")
+    p.add_argument("--vllm-weights", choices=["lora", "merged"], default="lora",
+                   help="lldslight-vllm: push the adapter (lora) or the merged weights (merged, --vllm-mode inprocess only)")
     p.add_argument("--only", choices=SIDES, default=None, help="run one side (debugging)")
     p.add_argument("--no-bounds", action="store_true", help="skip measuring bandwidth and sgemm ceilings")
     p.add_argument("--profile", action="store_true", help="profile one step of lldslight (or --only trl) and print where the time goes")
@@ -915,6 +923,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--only lldslight-today: a side of the lab workload only (--workload lab)")
     if (args.vllm == "on" or args.only == "lldslight-vllm") and not Path(args.vllm_python).is_file():
         raise SystemExit(f"--vllm-python: {args.vllm_python} does not exist (bash scripts/setup_vllm.sh makes .venv-vllm)")
+    if args.vllm_weights == "merged" and args.vllm_mode != "inprocess":
+        raise SystemExit("--vllm-weights merged: needs --vllm-mode inprocess (merged weights are copied into vLLM's model in process)")
     lab_rollout = lab_rollout_overrides(args.lab_rollout)
     from lldslight.policy import PolicyConfig, resolve_model_dir
 
@@ -937,6 +947,8 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": 1,
         "seed": args.seed,
         "vllm_python": args.vllm_python,
+        "vllm_mode": args.vllm_mode,
+        "vllm_weights": args.vllm_weights,
     }
     runs = ["lldslight", "lldslight-auto"] if args.lldslight_checkpointing == "on,auto" else ["lldslight"]
     if args.shared_prefix == "both":
@@ -951,6 +963,8 @@ def main(argv: list[str] | None = None) -> None:
         specs["lab"] = lab_spec(args, precisions[0], lab_rollout)
         sides["lab"] = [args.only] if args.only else (["lldslight"] if args.profile else lab_sides)
     pythons = dict.fromkeys(LLDSLIGHT_SIDES, sys.executable)
+    if args.vllm_mode == "inprocess":  # vllm.LLM inside the worker: it runs from vLLM's environment
+        pythons["lldslight-vllm"] = args.vllm_python
     if any("trl" in s for s in sides.values()):
         pythons["trl"] = ensure_trl_venv(args.trl_python)
     if args.profile:

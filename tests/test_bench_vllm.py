@@ -55,6 +55,10 @@ def test_the_vllm_side_is_reported_beside_the_engine_and_trl(step, tmp_path, mon
 def test_a_missing_vllm_environment_is_one_line(step, tmp_path):
     with pytest.raises(SystemExit, match=r"^--vllm-python: .*nowhere does not exist \(bash scripts/setup_vllm\.sh"):
         step.main(["--vllm", "on", "--vllm-python", str(tmp_path / "nowhere")])
+    python = tmp_path / "python"
+    python.write_text("")
+    with pytest.raises(SystemExit, match=r"^--vllm-weights merged: needs --vllm-mode inprocess"):
+        step.main(["--vllm", "on", "--vllm-python", str(python), "--vllm-weights", "merged"])
 
 
 @pytest.mark.slow

@@ -265,6 +265,25 @@ def test_in_process_vllm_matches_the_engine_and_catches_a_reload_without_load_in
 
 
 @needs_vllm
+def test_in_process_merged_and_full_weights_reach_vllm(vllm_model, synth_kb, tmp_path):
+    """weights: merged (in process): the adapter's merged weights, then a fully fine-tuned
+    policy's weights, copied into vLLM's model; greedy episodes equal the engine's and the probe
+    equals the trainer's after each push."""
+    out = tmp_path / "result.json"
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_inprocess_check.py"), str(vllm_model),
+                          str(synth_kb["corpus"]), str(synth_kb["train_jsonl"]), str(out), "merged"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    if run.returncode in SIGILL:
+        pytest.skip(f"vLLM cannot run on this CPU ({_cpu()})")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["same_as_engine"] == [True, True, True], result  # LoRA before and after a move, then full weights
+    assert result["probe_gap"] < 1e-3 and result["full_probe_gap"] < 1e-3, result
+    for served, trainer in (result["probe_moves"], result["full_probe_moves"]):  # each push moved vLLM as the trainer moved
+        assert abs(trainer) > 0.01 and abs(served - trainer) < 1e-3, result
+
+
+@needs_vllm
 def test_a_killed_server_is_reported_in_one_line(served, protocol_examples):
     """Last of the tests on the server: it kills it."""
     backend, model, _ = served

@@ -10,6 +10,8 @@ Two modes, as GPU recipes run vLLM:
   ``/v1/load_lora_adapter`` (``load_inplace``, one fixed name).
 - ``inprocess``: ``vllm.LLM`` in the trainer's own process (TRL's "colocate"), where vLLM is
   importable next to lldslight; the adapter goes in with ``add_lora`` (``load_inplace``, one fixed id).
+  There, ``weights: merged`` instead reloads every weight into vLLM's model (the adapted layers' as
+  W + BA): no LoRA kernels in vLLM, and the way full fine-tuning reaches it.
 
 What vLLM does by itself that would silently break training, and what is done about it here:
 
@@ -70,6 +72,7 @@ from .settings import SamplingSettings
 from .sync import SyncMismatch
 
 Mode = Literal["server", "inprocess"]
+Weights = Literal["lora", "merged"]
 DType = Literal["auto", "float32", "bfloat16"]
 
 # The oldest vLLM whose API this backend uses as it does (load_inplace, return_token_ids,
@@ -325,8 +328,16 @@ class _InProcessClient:
         except Exception as err:  # vLLM raises plain exceptions (ValueError, RuntimeError) for a bad adapter
             raise VLLMError(f"vLLM refused the policy's adapter: {' '.join(str(err).split())[:400]}") from None
 
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Reload vLLM's model in place from ``(name, tensor)`` pairs (Hugging Face names; vLLM
+        maps them onto its fused layers and repacks them for its kernels), then drop its prefix
+        cache (blocks computed with the old weights would be reused otherwise)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
     def close(self) -> None:
         self.llm = None
+
 
 
 # -- the backend -------------------------------------------------------------------------------
@@ -342,7 +353,7 @@ class _Connection:
     probe_tolerance: float
     adapter: Optional[str] = None  # the folder vLLM serves the adapter from now
     synced: Optional[list] = None  # the adapter's weights as last pushed
-    syncs: int = 0  # adapters pushed
+    syncs: int = 0  # weight pushes (adapters, or merged weights)
 
 
 _CONNECTIONS: dict[tuple, _Connection] = {}
@@ -378,6 +389,10 @@ class VLLMGenerate:
         startup_timeout_s: how long a server lldslight starts may take to answer.
         request_timeout_s: how long one request may take.
         concurrency: requests in flight at once (server mode): vLLM batches them.
+        weights: how the trainer's weights reach vLLM after each update: ``lora`` (the adapter,
+            loaded in place; both modes) or ``merged`` (mode ``inprocess`` only: every weight,
+            the adapted layers' as W + BA, reloaded into vLLM's model in place, the prefix cache
+            dropped; also full fine-tuning's way).
         server_args: further arguments for a server lldslight starts.
     """
 
@@ -385,9 +400,12 @@ class VLLMGenerate:
                  url: Optional[str] = None, model: Optional[str] = None, python: Optional[str] = None, dtype: DType = "auto",
                  max_lora_rank: Optional[int] = None, max_model_len: Optional[int] = None, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None, probe_tolerance: Optional[float] = None, startup_timeout_s: float = 900.0, request_timeout_s: float = 600.0,
-                 concurrency: int = 64, server_args: Optional[list[str]] = None) -> None:
+                 concurrency: int = 64, server_args: Optional[list[str]] = None, weights: Weights = "lora") -> None:
         require_choice(mode, "VLLMGenerate.mode", Mode)
         require_choice(dtype, "VLLMGenerate.dtype", DType)
+        require_choice(weights, "VLLMGenerate.weights", Weights)
+        require(weights == "lora" or mode == "inprocess", "VLLMGenerate.weights", "'lora' in mode 'server'", weights,
+                "merged and full weights are copied into vLLM's model inside the trainer's process")
         require(url is None or mode == "server", "VLLMGenerate.url", "unset in mode 'inprocess'", url)
         require(url is None or url.startswith(("http://", "https://")), "VLLMGenerate.url", "an http(s):// URL", url)
         require(model is None or Path(model).is_dir(), "VLLMGenerate.model", "a folder holding a Hugging Face model", model)
@@ -411,9 +429,10 @@ class VLLMGenerate:
         self.probe_tolerance = probe_tolerance
         self.startup_timeout_s, self.request_timeout_s, self.concurrency = startup_timeout_s, request_timeout_s, concurrency
         self.server_args = list(server_args or [])
+        self.weights = weights
         self.stats: dict[str, float] = {}
         self._key = (mode, url, model, self.python, dtype, max_lora_rank, max_model_len, kv_cache_gib, gpu_memory_utilization,
-                     self.enforce_eager, tuple(self.server_args))
+                     self.enforce_eager, tuple(self.server_args), weights)
         self.conn: Optional[_Connection] = None
 
     @property
@@ -422,7 +441,7 @@ class VLLMGenerate:
 
     @property
     def syncs(self) -> int:
-        """Adapters pushed to vLLM so far."""
+        """Weight pushes to vLLM so far (adapters, or merged weights)."""
         return self.conn.syncs if self.conn is not None else 0
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -436,9 +455,10 @@ class VLLMGenerate:
             return
         from lldslight.policy import has_adapter, model_arithmetic
 
-        require(has_adapter(model), "model.policy.lora", "set with VLLMGenerate", None,
-                "the trainer's weights reach vLLM as a LoRA adapter after every step (full fine-tuning is not synced)")
-        base = model.get_base_model()
+        lora = self.weights == "lora"
+        require(not lora or has_adapter(model), "model.policy.lora", "set with VLLMGenerate(weights: lora)", None,
+                "the adapter is what reaches vLLM after every step; full fine-tuning needs weights: merged (mode: inprocess)")
+        base = model.get_base_model() if has_adapter(model) else model
         model_dir = self.model_dir or getattr(base.config, "_name_or_path", "")
         if self.url is None:  # vLLM loads the base weights here (an attached server has its own: the probe checks them)
             require(bool(model_dir) and (Path(model_dir) / "config.json").is_file(), "VLLMGenerate.model",
@@ -449,13 +469,14 @@ class VLLMGenerate:
         tolerance = self.probe_tolerance if self.probe_tolerance is not None else (0.1 if dtype == "bfloat16" else 0.01)
         workdir = Path(tempfile.mkdtemp(prefix="lldslight-vllm-"))
         atexit.register(shutil.rmtree, str(workdir), True)
-        rank = self._policy_rank(model)
+        rank = self._policy_rank(model) if lora else 1
         max_rank = self.max_lora_rank or next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
         length = self.max_model_len or min(int(getattr(base.config, "max_position_embeddings", 4096) or 4096), 4096)
         if self.mode == "inprocess":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.kv_cache_gib:g}")
             client = _InProcessClient(dict(
-                model=str(model_dir), dtype=dtype, max_model_len=length, enable_lora=True, max_lora_rank=max_rank, max_loras=1,
+                model=str(model_dir), dtype=dtype, max_model_len=length, enable_lora=lora,
+                **({"max_lora_rank": max_rank, "max_loras": 1} if lora else {}),
                 enforce_eager=self.enforce_eager, generation_config="vllm", logprobs_mode="processed_logprobs", seed=0,
                 **({"gpu_memory_utilization": self.gpu_memory_utilization} if self.gpu else {})))
         elif self.url is not None:
@@ -521,13 +542,21 @@ class VLLMGenerate:
     # -- weights ----------------------------------------------------------------------------------
 
     def _sync(self, model: nn.Module) -> None:
-        """Push the policy's adapter when it changed since the last push: a new folder each time
-        (vLLM's prefix cache keys an adapter by its path), loaded in place under one name and id."""
+        """Push the policy's weights when they changed since the last push. LoRA: the adapter, to
+        a new folder each time (vLLM's prefix cache keys an adapter by its path), loaded in place
+        under one name and id. Merged: the changed layers' weights copied into vLLM's model."""
         conn = self.conn
-        trainable = [p.detach() for n, p in model.named_parameters() if "lora_" in n]
-        if conn.synced is not None and all(torch.equal(a, b) for a, b in zip(trainable, conn.synced)):
+        trainable = [p.detach() for p in model.parameters() if p.requires_grad]
+        if conn.synced is not None and len(conn.synced) == len(trainable) and all(
+                torch.equal(a, b) for a, b in zip(trainable, conn.synced)):
             return
         t0 = time.perf_counter()
+        if self.weights == "merged":
+            conn.client.load_weights(merged_weights(model))
+            conn.synced = [p.clone() for p in trainable]
+            conn.syncs += 1
+            self.stats["sync_s"] = self.stats.get("sync_s", 0.0) + time.perf_counter() - t0
+            return
         folder = conn.workdir / f"adapter-{conn.syncs}"
         model.save_pretrained(str(folder), safe_serialization=True)
         try:
@@ -557,7 +586,7 @@ class VLLMGenerate:
         if not gap <= self.conn.probe_tolerance:
             raise SyncMismatch(
                 f"vLLM's log-probs of the probe differ from the trainer's by {gap:.4g} nats per token (mean absolute; "
-                f"probe_tolerance {self.conn.probe_tolerance:g}) after {self.syncs} adapter push(es): vLLM is not sampling from the "
+                f"probe_tolerance {self.conn.probe_tolerance:g}) after {self.syncs} weight push(es): vLLM is not sampling from the "
                 "trainer's weights (a stale or ignored adapter, or a server serving another model than the policy's)")
         return float(served.sum())
 
@@ -647,6 +676,30 @@ class VLLMGenerate:
             shutil.rmtree(self.conn.workdir, ignore_errors=True)
             _CONNECTIONS.pop(self._key, None)
             self.conn = None
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every weight of the policy by its Hugging Face name, each adapted layer's as W + BA (its
+    base weight with the adapter's delta added). All of them, not only the changed ones: vLLM's
+    in-place reload processes its layers whole (a fused q/k/v layer given only q would be left
+    half loaded)."""
+    from lldslight.policy import has_adapter
+
+    if not has_adapter(model):
+        return [(name, p.detach()) for name, p in model.named_parameters()]
+    merged = {}
+    for name, layer in model.named_modules():
+        if callable(getattr(layer, "get_delta_weight", None)) and hasattr(layer, "base_layer"):
+            delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+            weight = layer.base_layer.weight
+            merged[name.removeprefix("base_model.model.") + ".weight"] = weight + delta.to(weight.dtype)
+    out = []
+    for name, p in model.named_parameters():
+        if "lora_" not in name:
+            hf = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            out.append((hf, merged.get(hf, p.detach())))
+    return out
 
 
 def _adapter_refusal(message: str, rank: int) -> str:
