@@ -58,9 +58,9 @@ def test_grpo_module_swaps_in_the_step_bar_for_lightnings_defaults():
         module = GRPOModule()
         module.trainer = trainer
         bar, *others = module.configure_callbacks()
-        assert type(bar) is step and [type(c).__name__ for c in others] == ["GroupSignal"]  # test_signal.py
+        assert type(bar) is step and [type(c).__name__ for c in others] == ["GroupSignal", "StepRow"]  # test_signal.py, test_resume.py
         assert bar.__dict__ == default.__dict__  # its settings kept (refresh rate, leave, ...)
     module = GRPOModule()
     module.trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False)
-    assert [type(c).__name__ for c in module.configure_callbacks()] == ["GroupSignal"]
+    assert [type(c).__name__ for c in module.configure_callbacks()] == ["GroupSignal", "StepRow"]
     assert step_bar_for(StepTQDMProgressBar()) is None  # a bar the user chose stays as it is
