@@ -378,3 +378,16 @@ def test_settings_vllm_cannot_honour_are_refused_when_the_config_is_read(tiny_po
         VLLMGenerate(tok, bm25, lambda text, gold: 0.0, _config(), max_lora_rank=12)
     with pytest.raises(ConfigError, match=r"^VLLMGenerate\.url must be unset in mode 'inprocess'"):
         VLLMGenerate(tok, bm25, lambda text, gold: 0.0, _config(), mode="inprocess", url="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"^VLLMGenerate\.weights must be 'lora' in mode 'server', got 'merged'"):
+        VLLMGenerate(tok, bm25, lambda text, gold: 0.0, _config(), weights="merged")
+
+
+def test_full_fine_tuning_with_adapter_pushes_is_refused_before_vllm_starts(bm25):
+    """No adapter to push: one line naming the setting and the way that works (weights: merged, in process)."""
+    from lldslight.policy import load_policy
+
+    model, tok = load_policy(tiny_policy_config(lora=False))
+    backend = VLLMGenerate(tok, bm25, lambda text, gold: 0.0, _config(), python="/nonexistent/python")
+    with pytest.raises(ConfigError, match=r"^model\.policy\.lora must be set with VLLMGenerate\(weights: lora\), got None: .*"
+                                          r"weights: merged \(mode: inprocess\)"):
+        backend.generate(model, [])
