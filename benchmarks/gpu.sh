@@ -55,6 +55,8 @@ import lightning.pytorch as pl
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.data.example import QAExample, make_prompt
 from lldslight.module import GRPOModule
+from lldslight.optim import OptimConfig
+from lldslight.update import UpdateConfig
 from lldslight.policy import LoRAConfig, PolicyConfig
 from lldslight.retrieval.base import Passage
 from lldslight.rollout import RolloutConfig
@@ -148,7 +150,7 @@ if vllm:
     from lldslight.policy import load_policy
     from lldslight.rollout import VLLMGenerate
     base_dir = Path(tempfile.mkdtemp(prefix="lldslight-gpu-bench-"))
-    base, tok = load_policy(PolicyConfig(**policy_kw))
+    base, tok = load_policy(PolicyConfig(**policy_kw, lora=None))  # the base alone: the adapter goes on when training loads it
     base.save_pretrained(base_dir, safe_serialization=True)
     tok.save_pretrained(base_dir)
     del base
@@ -157,7 +159,9 @@ if vllm:
                                                 gpu_memory_utilization=float(os.environ.get("VLLM_GPU_MEMORY", "0.3"))))
 module = GRPOModule(
     policy=PolicyConfig(**policy_kw, lora=LoRAConfig(r=16, alpha=32), gradient_checkpointing=True, attn_implementation="sdpa"),
-    lr=1e-5, updates_per_rollout=1, micro_batch_size=16, micro_batch_tokens=32768, kl_coef=0.001, logprob_chunk_size=1024,
+    # GRPOModule takes its settings in groups (policy, update, optim), as the YAML's model.* keys
+    update=UpdateConfig(updates_per_rollout=1, micro_batch_size=16, micro_batch_tokens=32768, kl_coef=0.001),
+    optim=OptimConfig(lr=1e-5), logprob_chunk_size=1024,
 )
 rollout = RolloutConfig(group_size=G, max_turns=TURNS, max_new_tokens=NEW, max_obs_tokens=OBS, max_response_tokens=4 * (NEW + OBS), topk=2)
 trainer = pl.Trainer(
