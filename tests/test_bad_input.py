@@ -418,9 +418,11 @@ def test_observe_mode_logs_unavailable_queries_per_step(protocol_model, protocol
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.data.formats import write_searchr1_parquet
     from lldslight.module import GRPOModule
+    from lldslight.optim import OptimConfig
     from lldslight.policy import PolicyConfig
     from lldslight.retrieval import HttpRetriever, start_server
     from lldslight.rollout import RolloutConfig
+    from lldslight.update import UpdateConfig
 
     model, tok = protocol_model
     server = start_server(bm25)
@@ -431,7 +433,8 @@ def test_observe_mode_logs_unavailable_queries_per_step(protocol_model, protocol
 
     train = write_searchr1_parquet(protocol_examples, tmp_path / "train.parquet")
     data = SearchQADataModule(train_files=[str(train)], batch_size=3, prompt_source="file", shuffle=False)
-    module = GRPOModule(policy=PolicyConfig(lora=None, dtype="float32"), kl_coef=0.0, micro_batch_size=6, lr=1e-6)
+    module = GRPOModule(policy=PolicyConfig(lora=None, dtype="float32"), update=UpdateConfig(kl_coef=0.0, micro_batch_size=6),
+                        optim=OptimConfig(lr=1e-6))
     module.policy, module.tokenizer = copy.deepcopy(model), tok
     retriever = HttpRetriever(url=server.url, retries=1, backoff=0.01, timeout=5, on_unavailable="observe")
     rollout = RolloutConfig(group_size=2, max_turns=1, max_new_tokens=24, max_obs_tokens=64, max_response_tokens=200, topk=1)
