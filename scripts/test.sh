@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# vLLM's own environment, for tests/test_vllm.py; where it cannot be set up those tests skip, saying why.
-bash scripts/setup_vllm.sh || echo "[test] vLLM's environment could not be set up: tests/test_vllm.py skips its vLLM tests" >&2
+# vLLM's own environment, for tests/test_vllm.py and tests/test_bench_vllm.py, with LLDSLIGHT_TEST_VLLM=1
+# (about 4 GB and a few minutes to set up, then ~8-18 minutes of tests on 2 cores: together more than
+# the rest of the suite, so not by default); without it, or where it cannot be set up, those tests skip, saying why.
+if [ "${LLDSLIGHT_TEST_VLLM:-0}" = 1 ]; then
+  bash scripts/setup_vllm.sh || echo "[test] vLLM's environment could not be set up: tests/test_vllm.py skips its vLLM tests" >&2
+fi
 exec "${LLDSLIGHT_VENV:-.venv}/bin/python" -m pytest -q "$@"
