@@ -22,7 +22,9 @@ from lldslight.callbacks import LLDS, CollapseAlarm, GradientSpikeGuard, Heal, L
 from lldslight.science.diagnostics import PhaseConfig
 from lldslight.errors import ConfigError
 from lldslight.module import GRPOModule
+from lldslight.optim import OptimConfig
 from lldslight.policy import load_policy
+from lldslight.update import UpdateConfig
 from test_guard import make_rollout, same_state, small_config
 
 # One signal, a 4-step baseline at answered_rate 1.0 (sd floored to 0.05): a step at 0 is z = 20,
@@ -85,8 +87,8 @@ def run(policy, tmp_path: Path, heal: Heal, steps: int, force: set[int], ckpt: s
         module_kwargs: dict | None = None, guard: GradientSpikeGuard | None = None, extra: tuple = ()):
     torch.manual_seed(0)
     config = policy[2] if len(policy) > 2 else small_config()
-    module = GRPOModule(policy=config, lr=LR, warmup_steps=WARMUP, updates_per_rollout=2, micro_batch_size=2, kl_coef=kl_coef,
-                        **(module_kwargs or {}))
+    module = GRPOModule(policy=config, optim=OptimConfig(lr=LR, warmup_steps=WARMUP),
+                        update=UpdateConfig(updates_per_rollout=2, micro_batch_size=2, kl_coef=kl_coef), **(module_kwargs or {}))
     module.policy, module.tokenizer = copy.deepcopy(policy[0]), policy[1]
     record = Record()
     alarm = CollapseAlarm(rule=RULE)
