@@ -12,7 +12,7 @@ if [ ! -x "$PY" ]; then
 fi
 if ! "$PY" -m pip --version >/dev/null 2>&1; then
   # A venv whose creation was interrupted has python but no pip: give it pip (or say what to do).
-  "$PY" -m ensurepip -q >/dev/null 2>&1 || { echo "[setup] $VENV has no pip (an interrupted set-up?): remove $VENV and run this again" >&2; exit 1; }
+  "$PY" -m ensurepip >/dev/null 2>&1 || { echo "[setup] $VENV has no pip (an interrupted set-up?): remove $VENV and run this again" >&2; exit 1; }
 fi
 stamp="$VENV/.lldslight-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
