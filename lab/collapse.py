@@ -405,12 +405,9 @@ def report(archive: Path, jobs: list[tuple[str, int]], labels: dict[str, str], b
 def recorded_meta(previous: Path) -> dict:
     """The ``meta`` a set's collapse.json recorded; one line naming the file when it is not a report."""
     try:
-        payload = json.loads(previous.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SystemExit(f"collapse: {previous}: not a readable collapse report ({err})") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("meta"), dict):
-        raise SystemExit(f"collapse: {previous}: no 'meta' (what the set ran with): not a collapse report lab/collapse.py wrote")
-    return payload["meta"]
+        return C.report_meta(previous)
+    except UserError as err:
+        raise SystemExit(f"collapse: {err}") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -257,7 +257,7 @@ def load(path: Path = SET) -> tuple[dict, dict, dict, list[str]]:
     if not (path / "collapse.json").is_file():
         raise SystemExit(f"confirmatory: {path / 'collapse.json'} not found: --set must be a set's archive "
                          "(lab/archive/collapse/<name>, written by lab/collapse.py)")
-    meta = json.loads((path / "collapse.json").read_text())["meta"]
+    meta = C.report_meta(path / "collapse.json")
     archived = {(p.parent.name, int(p.name[4:])) for p in path.glob("*/seed*") if p.name[4:].isdigit() and any(p.glob("metrics.csv*"))}
     problems = not_c1(meta, archived)
     if problems:
@@ -371,7 +371,7 @@ def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ..
         outcomes[key], kinds[key] = {}, {}
         report_path = lab / name / "collapse.json"
         if name not in metas:
-            metas[name] = json.loads(report_path.read_text())["meta"] if report_path.is_file() else {}
+            metas[name] = C.report_meta(report_path) if report_path.is_file() else {}
         meta_runs = metas[name].get("runs", {})
         kind_of = machine_kinds(meta_runs)
         for seed in seeds:
@@ -621,7 +621,7 @@ def controller_text(archive: Path) -> str:
     if not (archive / "collapse.json").is_file():
         raise SystemExit(f"confirmatory: {archive / 'collapse.json'} not found: --controller must be a set's archive "
                          "(lab/archive/collapse/<name>, written by lab/collapse.py)")
-    horizon = json.loads((archive / "collapse.json").read_text())["meta"].get("horizon") or HORIZON
+    horizon = C.report_meta(archive / "collapse.json").get("horizon") or HORIZON
     lines = ["| run | steps | collapsed (hold 30) | rate min / median / max | steps below 2.5e-4 | held | updates (mean) "
              "| stopped steps | with signal | drift k3, signal (median) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(p for p in archive.glob("*/seed*") if any(p.glob("metrics.csv*"))):
@@ -806,6 +806,13 @@ def check_demo(demo: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except UserError as err:  # a damaged archived file or report (lldslight.science.collapse names it)
+        raise SystemExit(f"confirmatory: {err}") from None
+
+
+def _main(argv: Optional[list[str]]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", type=Path, default=SET, help="C1's archive (default lab/archive/collapse/c1_5e-4)")
     which = parser.add_mutually_exclusive_group()

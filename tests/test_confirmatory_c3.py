@@ -273,3 +273,21 @@ def test_json_where_it_cannot_be_written_is_refused_before_the_analysis(conf, tm
     with pytest.raises(SystemExit, match=rf"^confirmatory: --json {target}: cannot write to /sys: "):
         conf.main(["--c3", "--set", str(lab / "c3_1e-3"), "--json", str(target)])
     assert capsys.readouterr().out == ""  # nothing analysed first
+
+
+def test_a_set_report_without_meta_and_a_damaged_archive_are_named(conf, tmp_path, capsys):
+    """A collapse.json without meta was a KeyError; a garbled metrics.csv.gz a zlib.error naming no file."""
+    lab = make_c3(tmp_path / "lab")
+    report = lab / "c3_2e-3" / "collapse.json"
+    kept = report.read_text()
+    report.write_text(json.dumps({"runs": []}))
+    with pytest.raises(SystemExit, match=rf"^confirmatory: {report}: no 'meta' \(what the set ran with\)"):
+        conf.main(["--c3", "--set", str(lab / "c3_1e-3")])
+    report.write_text(kept)
+    gz = lab / "c3_1e-3" / "stable" / "seed31" / "metrics.csv.gz"
+    data = bytearray(gz.read_bytes())
+    data[20:40] = b"\xff" * 20
+    gz.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match=rf"^confirmatory: {gz}: not a readable metrics CSV \("):
+        conf.main(["--c3", "--set", str(lab / "c3_1e-3")])
+    assert not (lab / "c3.json").exists()

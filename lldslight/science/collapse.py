@@ -223,6 +223,24 @@ def read_metrics(path) -> "pandas.DataFrame":
     return frame.dropna(subset=["step"]).groupby("step", sort=True).first()
 
 
+def report_meta(path) -> dict:
+    """The ``meta`` (what a set ran with) of a set's collapse.json, which lab/collapse.py writes; a
+    UserError naming the file when it is unreadable, not JSON or has no meta (a KeyError before)."""
+    import json
+    from pathlib import Path
+
+    from lldslight.errors import UserError
+
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{path}: not a readable collapse report ({err})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("meta"), dict):
+        raise UserError(f"{path}: no 'meta' (what the set ran with): not a collapse report lab/collapse.py wrote")
+    return payload["meta"]
+
+
 def training_rows(frame) -> "pandas.DataFrame":
     """The steps of a :func:`read_metrics` frame that trained (a train/reward logged); none when the
     run logged no reward."""
