@@ -180,6 +180,11 @@ def test_an_update_with_the_boundary_is_the_plain_update(lora, k):
                 h.remove()
         out[reuse] = (result, calls_update, list(counts), after, [p.detach().clone() for p in module.trainable_parameters()])
     (got, calls, calls_after, after, weights_), (want, calls_plain, _, after_plain, weights_plain) = out[True], out[False]
+    # fp32 rounding of the two summation orders compounds over the k Adam steps at lr 1e-2 (Adam's
+    # m / sqrt(v) magnifies it where a gradient is near 0): after 8, up to 5.4e-5 of the largest weight
+    # on an AVX2-only EPYC, whose kernels block sums differently from AVX512's; a wrong boundary moves
+    # these values by orders of magnitude more than 1e-4.
+    REL = globals()["REL"] if k == 1 else 10 * globals()["REL"]
     assert got.trajectory.frozen_hidden is not None and got.trajectory.frozen_start == TOP[0]
     assert want.trajectory.frozen_hidden is None
     for key in ("loss", "kl", "pg_loss", "entropy"):
@@ -188,7 +193,10 @@ def test_an_update_with_the_boundary_is_the_plain_update(lora, k):
     a, b = torch.tensor(got.shared["grad_norm"]), torch.tensor(want.shared["grad_norm"])
     assert (a - b).abs().max() <= REL * b.abs().max() and b.min() > 0
     for a, b in zip(weights_, weights_plain):
-        assert (a - b).abs().max() <= REL * b.abs().max()
+        # Adam's step is ~lr per weight whatever the gradient's size, so after k = 8 the weights are
+        # compared to a tenth of one step (1e-3 at lr 1e-2; seen: up to 2.4e-5 between two runs of this
+        # test on a loaded 2-core EPYC); a wrong boundary changes gradients, and so steps, by ~lr.
+        assert (a - b).abs().max() <= (REL * b.abs().max() if k == 1 else 0.1 * 1e-2)
     assert (after - after_plain).abs().max() <= REL * after_plain.abs().max()
     bottom = TOP[0]
     # with the boundary: layer 0 runs in the boundary's one no-grad pass only (micro-batches of 2
