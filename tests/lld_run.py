@@ -3,6 +3,8 @@ costs most of their time budget, so it runs once per session)."""
 from __future__ import annotations
 
 from pathlib import Path
+from lldslight.update import UpdateConfig
+from lldslight.optim import OptimConfig
 
 _CACHE: dict[str, object] = {}
 
@@ -38,7 +40,7 @@ def monitored_run(tmp_path_factory, synth_kb, bm25) -> dict:
     root = tmp_path_factory.mktemp("lldrun")
     rollout = RolloutConfig(group_size=3, max_turns=1, max_new_tokens=6, max_obs_tokens=16, max_response_tokens=40, topk=1)
     monitor = LLDMonitor(phases=PhaseConfig(window=3, patience=1))
-    module = GRPOModule(policy=tiny_policy_config(), lr=1e-2, updates_per_rollout=2, micro_batch_size=6, kl_coef=0.001)
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(updates_per_rollout=2, micro_batch_size=6, kl_coef=0.001), optim=OptimConfig(lr=1e-2))
     data = SearchQADataModule(
         train_files=[str(synth_kb["train"])], val_files=[str(synth_kb["dev"])], batch_size=2, eval_batch_size=3, limit_val=3
     )

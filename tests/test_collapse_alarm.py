@@ -12,6 +12,8 @@ import pytest
 from lld_run import AlternatingReward
 from lldslight.science.alarm import SIGNALS, AlarmConfig, read_metrics_csv, replay_alarm
 from lldslight.errors import ConfigError
+from lldslight.update import UpdateConfig
+from lldslight.optim import OptimConfig
 
 # Tiny-run scale: a 3-step baseline, then statistics sensitive enough (k = 0, h = 0.3) that the
 # 9 steps of a random model cross and fire, so the comparison with the replay is not vacuous.
@@ -38,7 +40,7 @@ def alarm_run(tmp_path_factory, synth_kb, bm25):
     alarm = CollapseAlarm(rule=AlarmConfig(**RULE))
     fired = []
     alarm.add_listener(lambda event, trainer, module: fired.append((event, trainer.global_step)))
-    module = GRPOModule(policy=tiny_policy_config(), lr=1e-2, updates_per_rollout=2, micro_batch_size=6, kl_coef=0.0)
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(updates_per_rollout=2, micro_batch_size=6, kl_coef=0.0), optim=OptimConfig(lr=1e-2))
     data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=2)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=STEPS, logger=CSVLogger(str(root), name="tiny"),

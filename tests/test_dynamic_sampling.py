@@ -15,6 +15,8 @@ import torch
 
 from conftest import ROOT, tiny_policy_config
 from run_helpers import CountGenerate, SplitReward
+from lldslight.update import UpdateConfig
+from lldslight.optim import OptimConfig
 
 G = 4
 BATCH = 2
@@ -44,7 +46,7 @@ def fit(tmp_path, synth_kb, bm25, reward, max_rounds: int, steps: int = 2, seed:
     callbacks = [CountGenerate(str(tmp_path / "calls")), SearchRollout(retriever=bm25, reward=reward, rollout=rollout, dynamic_sampling=option)]
     if via_callback:  # as a config composed on top sets it (configs/dynamic_sampling.yaml)
         callbacks.append(SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=max_rounds)))
-    module = GRPOModule(policy=tiny_policy_config(), lr=1e-3, updates_per_rollout=1, micro_batch_size=8, kl_coef=0.0)
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(updates_per_rollout=1, micro_batch_size=8, kl_coef=0.0), optim=OptimConfig(lr=1e-3))
     data = SearchQADataModule(train_files=[str(synth_kb["train"])], batch_size=BATCH, seed=seed)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(str(tmp_path), name="ds"), callbacks=callbacks,

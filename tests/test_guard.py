@@ -22,6 +22,8 @@ from lldslight.callbacks import GradientSpikeGuard
 from lldslight.module import GRPOModule
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy
 from lldslight.trajectory import Trajectory
+from lldslight.update import UpdateConfig
+from lldslight.optim import OptimConfig
 
 # Smaller than conftest's tiny policy (1 layer, width 32): these tests run a dozen updates each,
 # and the 49k-token output projection dominates their cost.
@@ -293,7 +295,7 @@ def test_tied_rollout_batches_do_not_make_the_guard_veto_real_updates(small_poli
 
     guard = GradientSpikeGuard(factor=10.0, window=8, warmup=2)
     torch.manual_seed(0)
-    module = GRPOModule(policy=small_config(), lr=1e-2, updates_per_rollout=2, micro_batch_size=2, kl_coef=0.0, shuffle_minibatches=False)
+    module = GRPOModule(policy=small_config(), update=UpdateConfig(updates_per_rollout=2, micro_batch_size=2, kl_coef=0.0, shuffle_minibatches=False), optim=OptimConfig(lr=1e-2))
     module.policy, module.tokenizer = copy.deepcopy(small_policy[0]), small_policy[1]
     recorder = Recorder()
     trainer = pl.Trainer(

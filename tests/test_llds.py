@@ -17,6 +17,7 @@ from lldslight.callbacks import LLDS, GradientSpikeGuard, SearchRollout
 from lldslight.module import GRPOModule
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, Totals, mean_valid_searches
+from lldslight.update import UpdateConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -246,11 +247,11 @@ def test_callback_skips_the_on_policy_update():
 def test_warns_when_every_rollout_batch_gets_one_update():
     cb = LLDS()
     with pytest.warns(UserWarning, match="updates_per_rollout"):
-        cb.on_fit_start(None, GRPOModule(updates_per_rollout=1))
+        cb.on_fit_start(None, GRPOModule(update=UpdateConfig(updates_per_rollout=1)))
 
 
 def test_registers_once_and_refuses_a_second_llds():
-    module = GRPOModule(updates_per_rollout=2)
+    module = GRPOModule(update=UpdateConfig(updates_per_rollout=2))
     first = LLDS()
     first.setup(None, module, "fit")
     first.setup(None, module, "validate")  # the same callback again is fine

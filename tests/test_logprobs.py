@@ -10,6 +10,7 @@ from conftest import tiny_policy_config
 from lldslight.logprobs import token_logprobs
 from lldslight.rewards import ExactMatchReward
 from lldslight.rollout import RolloutConfig, RolloutEngine
+from lldslight.optim import OptimConfig
 
 
 def _full_logits_logprobs(model, ids, attn, mask, temperature=1.0):
@@ -236,7 +237,7 @@ class _Inject(pl.Callback):
 def _first_update_grads(traj, **module_kw) -> dict[str, torch.Tensor]:
     from lldslight.module import GRPOModule
 
-    module = GRPOModule(policy=tiny_policy_config(), lr=1e-3, kl_coef=0.05, shuffle_minibatches=False, **module_kw)
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(kl_coef=0.05, shuffle_minibatches=False, **module_kw), optim=OptimConfig(lr=1e-3))
     grads: dict[str, torch.Tensor] = {}
 
     def grab(ctx):  # a step gate sees the accumulated gradient; vetoing keeps the weights as they are
@@ -294,4 +295,4 @@ def test_token_packing_groups_rows_by_length(fixed_rollout):
     for b in batches:
         assert len(b) == 1 or len(b) * int(lengths[b].max()) <= 100
     with pytest.raises(ValueError, match="micro_batch_tokens"):
-        GRPOModule(policy=tiny_policy_config(), micro_batch_tokens=0)
+        GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(micro_batch_tokens=0))

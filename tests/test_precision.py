@@ -24,6 +24,7 @@ from lldslight import frozen_prefix, update
 from lldslight.errors import ConfigError
 from lldslight.logprobs import ChunkedLogprob, token_logprobs
 from lldslight.policy import Bf16Support, LoRAConfig, PolicyConfig, load_policy, resolve_precision, sampling_weights
+from lldslight.optim import OptimConfig
 
 U16 = 2.0**-8
 U32 = 2.0**-24
@@ -166,7 +167,7 @@ def test_storage_dtypes_and_gradients(precision, lora, frozen, trainable):
 def test_full_fine_tuning_reference_is_stored_in_bf16():
     from lldslight.module import GRPOModule
 
-    module = GRPOModule(policy=_config("bf16-mixed", lora=False), kl_coef=0.01)
+    module = GRPOModule(policy=_config("bf16-mixed", lora=False), update=UpdateConfig(kl_coef=0.01))
     module.configure_model()
     assert {p.dtype for p in module.policy.parameters()} == {torch.float32}
     assert {p.dtype for p in module.reference.parameters()} == {torch.bfloat16}
@@ -344,8 +345,7 @@ def test_on_policy_ratio_is_one_and_llds_zero(precision, bm25, protocol_examples
     from lldslight.callbacks import LLDS
     from lldslight.module import GRPOModule
 
-    module = GRPOModule(policy=_config(precision), lr=0.05, kl_coef=0.0, updates_per_rollout=2, micro_batch_size=3,
-                        shuffle_minibatches=False)
+    module = GRPOModule(policy=_config(precision), update=UpdateConfig(kl_coef=0.0, updates_per_rollout=2, micro_batch_size=3, shuffle_minibatches=False), optim=OptimConfig(lr=0.05))
     module.configure_model()
     with torch.no_grad():
         for n, p in module.policy.named_parameters():
@@ -387,8 +387,7 @@ def _independent_mismatch(sampler: torch.Tensor, trainer: torch.Tensor, mask: to
 def test_mismatch_metrics_equal_an_independent_computation(precision, bm25, protocol_examples):
     from lldslight.module import GRPOModule
 
-    module = GRPOModule(policy=_config(precision), lr=1e-3, kl_coef=0.0, updates_per_rollout=2, micro_batch_size=6,
-                        shuffle_minibatches=False)
+    module = GRPOModule(policy=_config(precision), update=UpdateConfig(kl_coef=0.0, updates_per_rollout=2, micro_batch_size=6, shuffle_minibatches=False), optim=OptimConfig(lr=1e-3))
     module.configure_model()
     traj = _rollout(module.policy, module.tokenizer, bm25, protocol_examples)
     first = torch.arange(len(traj) // 2)  # the on-policy mini-batch: rows 0..5 (no shuffle), one micro-batch

@@ -16,12 +16,13 @@ from lldslight.callbacks.probe import LLDProbe
 from lldslight.data.formats import load_examples
 from lldslight.module import GRPOModule
 from lldslight.rollout import RolloutConfig, RolloutEngine
+from lldslight.update import UpdateConfig
 
 
 @pytest.fixture(scope="module")
 def setup(synth_kb, bm25):
     torch.manual_seed(0)
-    module = GRPOModule(policy=tiny_policy_config(lora=False), kl_coef=0.0)
+    module = GRPOModule(policy=tiny_policy_config(lora=False), update=UpdateConfig(kl_coef=0.0))
     module.configure_model()
     module.policy.double()  # float64: the first-order check below is then not drowned in rounding
     engine = RolloutEngine(module.tokenizer, bm25, ParityReward(), RolloutConfig(group_size=4, max_turns=1, max_new_tokens=8,

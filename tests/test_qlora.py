@@ -20,6 +20,7 @@ import torch
 from lldslight.policy import LoRAConfig, PolicyConfig, PolicyLoadError, load_policy, quantized_linears
 from run_helpers import KILL, TINY_RUN_HEAD
 from tests.conftest import ROOT, TINY_DIMS
+from lldslight.optim import OptimConfig
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.50")
 KINDS = ["nf4", "int8"]
@@ -75,7 +76,7 @@ def test_missing_bitsandbytes_names_the_extra(monkeypatch):
     with pytest.raises(PolicyLoadError, match=r"policy.quantization='nf4' needs bitsandbytes: pip install -e '\.\[gpu\]' in your lldslight clone"):
         load_policy(qlora_config("nf4"))
     with pytest.raises(ImportError, match=r"adamw8bit needs bitsandbytes: pip install -e '\.\[gpu\]' in your lldslight clone"):
-        GRPOModule(optimizer="adamw8bit", warmup_steps=0).configure_optimizers()
+        GRPOModule(optim=OptimConfig(optimizer="adamw8bit", warmup_steps=0)).configure_optimizers()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -203,7 +204,7 @@ def test_adamw8bit_on_cpu_steps_like_adamw():
         assert rel < 0.05, rel
     assert ((p8[0] - p32[0]).norm() / (p32[0] - init[0]).norm()).item() > 1e-4, "8-bit moments should not be exact"
 
-    module = GRPOModule(policy=tiny_policy_config(), optimizer="adamw8bit", warmup_steps=0)
+    module = GRPOModule(policy=tiny_policy_config(), optim=OptimConfig(optimizer="adamw8bit", warmup_steps=0))
     module.configure_model()
     assert isinstance(module.configure_optimizers()["optimizer"], bnb.optim.AdamW8bit)
 

@@ -223,7 +223,7 @@ def test_plain_forward_where_sharing_cannot_apply():
         token_logprobs(eager, ids, attn, mask, groups=groups)
     hook.remove()
     assert seen == [ids.numel()]
-    module = GRPOModule(policy=tiny_policy_config(), micro_batch_size=2, micro_batch_tokens=40)
+    module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(micro_batch_size=2, micro_batch_tokens=40))
     traj = type("Rows", (), {"input_ids": ids, "attention_mask": attn, "group_id": groups})()
     module.policy = eager  # the plain packer: sorted by length, rows x longest <= 40
     for b in micro_batches(module, traj, torch.arange(len(ids))):

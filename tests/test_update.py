@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from update_parity import LENGTHS, make_setup, run
+from lldslight.update import UpdateConfig
+from lldslight.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KL_COEF, ENT_COEF, LLDS_COEF, EPS = 0.05, 0.01, 0.2, 0.2
@@ -174,7 +176,7 @@ def test_logged_lr_is_the_one_the_updates_used(tmp_path):
     from test_guard import FeedRollouts, small_config
 
     used: list[float] = []
-    module = GRPOModule(policy=small_config(), lr=0.01, warmup_steps=4, updates_per_rollout=2, kl_coef=0.0)
+    module = GRPOModule(policy=small_config(), update=UpdateConfig(updates_per_rollout=2, kl_coef=0.0), optim=OptimConfig(lr=0.01, warmup_steps=4))
     module.policy, module.tokenizer = load_policy(small_config())
     module.add_step_gate("lr", lambda ctx: used.append(ctx.module.optimizers(use_pl_optimizer=False).param_groups[0]["lr"]) or True)
     trainer = pl.Trainer(

@@ -151,11 +151,13 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
               shuffle_minibatches=False, micro_batch_size=2)
     kw.update(module_kw)
     llds = LLDS(coef=0.2, skip_on_policy=False, answer_masking="official", normaliser=kw.pop("llds_normaliser", "preserving"))
-    if "shared_prefix" in kw:  # a field newer than the flat keys: only in its group
-        from lldslight.update import UpdateConfig
+    # The module takes its settings in groups: split the flat keys of these setups into them.
+    from lldslight.optim import OptimConfig
+    from lldslight.update import UpdateConfig
 
-        kw["update"] = UpdateConfig(shared_prefix=kw.pop("shared_prefix"))
-    module = GRPOModule(policy=policy_config(**kw.pop("policy", {})), **kw)
+    optim = {k: kw.pop(k) for k in list(kw) if k in OptimConfig.__dataclass_fields__}
+    update = {k: kw.pop(k) for k in list(kw) if k in UpdateConfig.__dataclass_fields__}
+    module = GRPOModule(policy=policy_config(**kw.pop("policy", {})), update=UpdateConfig(**update), optim=OptimConfig(**optim), **kw)
 
     def load_setup_policy(config):  # configure_model's loader: the setup's weights, then sharding as usual
         model, tokenizer = load_policy(config)
