@@ -101,7 +101,7 @@ def test_stage_a_tool_deaths_and_delta_correct(text):
     two = runs[2]["lld/delta_correct"]
     assert two[12] > 0 and two[13] > 0
     assert largest({k: v for k, v in runs[2]["drift/kl_k3_last"].items() if k <= 14})[0] == 14
-    quoted = [f"(-0.043 at step 64, with a drift of {kl:.3f}, {kl / med:.0f}x the run's median)".replace("-0.043", f"{d:.3f}"),
+    quoted = [f"({d:.3f} at step {s}, with a drift of {kl:.3f}, {kl / med:.0f}x the run's median)",
               f"(+{two[12]:.3f} and +{two[13]:.3f} at steps 12-13)",
               f"({runs[1]['lld/delta_correct'][22]:.3f} at step 22)"]
     assert min(runs[1]["lld/delta_correct"][s] for s in runs[1]["lld/delta_correct"] if deaths[1] - 4 <= s < deaths[1]) == \
