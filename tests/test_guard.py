@@ -8,6 +8,7 @@ writing NaN into log-probs, never by replacing the guard.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import csv
 import math
 import statistics
@@ -133,8 +134,9 @@ def same_state(a: dict, b: dict) -> bool:
 def fit(small_policy, tmp_path: Path, guard: GradientSpikeGuard, plan: dict[int, float], max_steps: int,
         module_cls: type = GRPOModule) -> tuple[pl.Trainer, GRPOModule, Recorder]:
     torch.manual_seed(0)
-    module = module_cls(policy=small_config(), lr=1e-2, updates_per_rollout=2, micro_batch_size=2,
-                        kl_coef=0.0, shuffle_minibatches=False)
+    module = module_cls(policy=small_config(), optim=OptimConfig(lr=1e-2),
+                        update=UpdateConfig(updates_per_rollout=2, micro_batch_size=2, kl_coef=0.0,
+                                            shuffle_minibatches=False))
     # A fresh copy of the module-scoped policy (configure_model keeps a policy it already has).
     module.policy, module.tokenizer = copy.deepcopy(small_policy[0]), small_policy[1]
     recorder = Recorder()
@@ -216,9 +218,9 @@ class NaNLogprobs(GRPOModule):
     """Writes NaN into chosen tokens' log-probs: training log-probs of rollout row 0 (group 0,
     reward 1) and old log-probs of rollout row 1 (group 0, reward 0)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, update: UpdateConfig, **kwargs):
         # Old log-probs must all come from the no-grad pass before the updates, where the NaNs go.
-        super().__init__(reuse_onpolicy_logp=False, **kwargs)
+        super().__init__(update=dataclasses.replace(update, reuse_onpolicy_logp=False), **kwargs)
 
     def logprobs(self, traj, reference=False, with_entropy=False):
         logp, entropy = super().logprobs(traj, reference=reference, with_entropy=with_entropy)

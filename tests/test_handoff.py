@@ -149,7 +149,10 @@ def test_callbacks_assign_only_declared_module_attributes():
 
 
 def test_callbacks_reach_no_private_name_of_another_module():
-    allowed: set = set()  # a rate change goes through lldslight.optim.set_learning_rate
+    # A rate change goes through lldslight.optim.set_learning_rate. Two of Lightning's own private
+    # names, where it has no public view (callbacks/step_row.py says why): the row of logged values
+    # before the loggers get it, and the step number the loggers write.
+    allowed: set = {("trainer", "_logger_connector"), ("trainer.fit_loop.epoch_loop", "_batches_that_stepped")}
     found = []
     for path, tree in _sources(PACKAGE / "callbacks"):
         for node in ast.walk(tree):
@@ -216,6 +219,8 @@ def test_a_fit_sets_only_declared_attributes(tmp_path, synth_kb, bm25):
     from lldslight.callbacks import LLDS, CollapseAlarm, GradientSpikeGuard, Heal, LLDMonitor, RunSummary, SearchRollout
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.rollout import RolloutConfig
+    from lldslight.optim import OptimConfig
+    from lldslight.update import UpdateConfig
 
     class HealAtStep1(pl.Callback):
         """Heal's rollback and remedies (a reference for KL under full fine-tuning, fewer updates)."""
@@ -228,7 +233,8 @@ def test_a_fit_sets_only_declared_attributes(tmp_path, synth_kb, bm25):
     SET.clear()
     declared = _declared()
     pl.seed_everything(0)
-    module = _recording_module(policy=tiny_policy_config(lora=False), lr=1e-3, updates_per_rollout=2, micro_batch_size=4, kl_coef=0.0)
+    module = _recording_module(policy=tiny_policy_config(lora=False), optim=OptimConfig(lr=1e-3),
+                               update=UpdateConfig(updates_per_rollout=2, micro_batch_size=4, kl_coef=0.0))
     after_init = set(vars(module))
     rollout = RolloutConfig(group_size=2, max_turns=1, max_new_tokens=6, max_obs_tokens=16, max_response_tokens=40, topk=1)
     callbacks = [

@@ -696,10 +696,9 @@ def test_real_lm_stage_a_round_2_and_verdict_recomputed_independently() -> None:
     assert f"against {statistics.median(kl[2].values()):.3f} over the run, median" in text
     assert f"({kl[1][0]:.3f} at step 0; {max(kl[3][s] for s in range(dead[3])):.3f} at step 36)" in text
     assert max(range(dead[3]), key=lambda s: kl[3][s]) == 36
-    pos = {s: f"{_window_mean(runs[s], 'lld/logp_pos', 0, 10):.2f} -> {_window_mean(runs[s], 'lld/logp_pos', dead[s] - 10, dead[s]):.2f}" for s in seeds}
-    assert f"(`lld/logp_pos` {pos[1]} and {pos[3]}) and held in seed 2 ({pos[2]})" in text
+    # the old lld/logp_pos figures, kept in the corrected reading: tests/test_real_lm_reading.py
     shared = [_window_mean(runs[s], "lld/neg_shared_share", a, b) for s in seeds for a, b in ((0, 10), (dead[s] - 10, dead[s]))]
-    assert f"with {min(shared):.2f}-{max(shared):.2f} of the negative responses' tokens in a prefix shared" in text
+    assert f"{min(shared):.2f}-{max(shared):.2f} of the negative responses' tokens lay in a prefix shared" in text
     steps = ", ".join(str(v) for v in sorted(start.values()))
     results = page("docs", "results.md")
     assert f"3 of 3 at 1e-3 (steps {steps}: stopped searching)" in results
@@ -777,9 +776,10 @@ def test_real_lm_stage_b_recomputed_independently() -> None:
     updates = [statistics.fmean(_by_step(path[("stable", s)], "drift/updates").values()) for s in B_SEEDS]
     assert f"median {min(lr):.1e} to {max(lr):.1e}".replace("e-0", "e-") in text and f"applied {min(updates):.1f}-{max(updates):.1f} of the" in text
     (fell,) = [s for s in B_SEEDS if collapsed[("grpo", s)]]
-    dead = _tool_death(path[("grpo", fell)])
     pos = f"{_window_mean(path[('grpo', fell)], 'lld/logp_pos', 0, 10):.2f} -> {_window_mean(path[('grpo', fell)], 'lld/logp_pos', start[('grpo', fell)] - 10, start[('grpo', fell)]):.2f}"
-    assert f"(seed {fell}: the tool died from step {dead}" in text and f"(`lld/logp_pos` {pos})" in text
+    # the corrected reading keeps the old figure, saying why it cannot show displacement (the tool
+    # deaths and lld/delta_correct around them: tests/test_real_lm_reading.py)
+    assert f"`lld/logp_pos` {pos} in seed {fell} from its first 10 steps to the 10 before its collapse" in text
     shared = [_window_mean(run, "lld/neg_shared_share", 0, 10) for run in path.values()]
     assert f"{min(shared):.2f}-{max(shared):.2f} over the first 10 steps of every run" in text
     grpo_fell = sum(_window_mean(path[("grpo", s)], "train/reward", 80, 100) < _window_mean(path[("grpo", s)], "train/reward", 0, 20) for s in B_SEEDS)

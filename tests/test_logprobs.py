@@ -11,6 +11,7 @@ from lldslight.logprobs import token_logprobs
 from lldslight.rewards import ExactMatchReward
 from lldslight.rollout import RolloutConfig, RolloutEngine
 from lldslight.optim import OptimConfig
+from lldslight.update import UpdateConfig
 
 
 def _full_logits_logprobs(model, ids, attn, mask, temperature=1.0):

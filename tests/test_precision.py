@@ -25,6 +25,7 @@ from lldslight.errors import ConfigError
 from lldslight.logprobs import ChunkedLogprob, token_logprobs
 from lldslight.policy import Bf16Support, LoRAConfig, PolicyConfig, load_policy, resolve_precision, sampling_weights
 from lldslight.optim import OptimConfig
+from lldslight.update import UpdateConfig
 
 U16 = 2.0**-8
 U32 = 2.0**-24

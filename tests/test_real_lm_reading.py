@@ -108,7 +108,8 @@ def test_stage_a_tool_deaths_and_delta_correct(text):
         runs[1]["lld/delta_correct"][22]
     logp = [f"{window_mean(runs[k]['lld/logp_pos'], 0, 9):.2f} -> {window_mean(runs[k]['lld/logp_pos'], deaths[k] - 10, deaths[k] - 1):.2f}"
             for k in (1, 3, 2)]
-    quoted.append(f"which rose {logp[0]}, {logp[1]} and held {logp[2]} over the 10 steps before the tool died")
+    quoted.append(f"which rose {logp[0]} (seed 1), {logp[1]} (seed 3) and held {logp[2]} (seed 2) from the first 10 steps to the "
+                  "10 before the tool died")
     for q in quoted:
         assert q in text, q
     assert "No likelihood displacement came first" not in text

@@ -113,6 +113,11 @@ class SearchRollout(pl.Callback):
                               "generate(model, examples, group_size, greedy) -> Trajectory; lldslight/rollout/backend.py)")
         return backend
 
+    def use_backend(self, backend: BackendFactory) -> None:
+        """Sample with ``backend`` from now on: the engines are built from it when first used."""
+        self.backend = backend
+        self._train_engine = self._eval_engine = None
+
     def train_engine(self, pl_module) -> GenerationBackend:
         """The engine training rollouts are sampled with (other callbacks, e.g. LLDProbe, sample with it too)."""
         return self._engines(pl_module)[0]
@@ -353,5 +358,4 @@ class SearchRolloutOptions(pl.Callback):
                 )
             rollout.dynamic_sampling = self.dynamic_sampling
         if self.backend is not None:
-            rollout.backend = self.backend
-            rollout._train_engine = rollout._eval_engine = None  # built from the new factory when first used
+            rollout.use_backend(self.backend)
