@@ -294,7 +294,12 @@ def wandb_home(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
-    return tmp_path
+    yield tmp_path
+    # wandb reads its settings once per process: without this a later test's offline run would still
+    # ask this test's dead server for its resume status
+    import wandb
+
+    wandb.teardown()
 
 
 def test_wandb_online_without_a_key_is_one_line_before_the_model_loads(work, unloadable_model, capsys, wandb_home):

@@ -38,6 +38,7 @@ def offline_wandb(tmp_path, monkeypatch):
     otherwise be this one's)."""
     import wandb
 
+    wandb.teardown()  # settings another test left in this process (they are read once) do not carry over
     for name, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_CACHE_DIR", "wandb_cache"), ("WANDB_CONFIG_DIR", "wandb_config"),
                       ("WANDB_DATA_DIR", "wandb_data")):
         monkeypatch.setenv(name, str(tmp_path / sub))
