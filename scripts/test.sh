@@ -9,4 +9,5 @@ bash scripts/setup.sh
 if [ "${LLDSLIGHT_TEST_VLLM:-0}" = 1 ]; then
   bash scripts/setup_vllm.sh || echo "[test] vLLM's environment could not be set up: tests/test_vllm.py skips its vLLM tests" >&2
 fi
-exec "${LLDSLIGHT_VENV:-.venv}/bin/python" -m pytest -q "$@"
+# the 20 slowest tests are listed at the end: the suite must stay well inside CI's half hour
+exec "${LLDSLIGHT_VENV:-.venv}/bin/python" -m pytest -q --durations=20 "$@"
