@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from lldslight.errors import script_main
 from lldslight.science import collapse as C
 from lldslight.science.alarm import AlarmConfig, replay_alarm
 
@@ -160,4 +161,4 @@ def _curve_png(curve: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

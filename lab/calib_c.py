@@ -19,6 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
+from lldslight.errors import script_main
+
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "lab" / "archive" / "collapse" / "real_lm_C_calib"
 DEMO = ROOT / "lab" / "archive" / "demo" / "c_calib"
@@ -95,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script_main(main))

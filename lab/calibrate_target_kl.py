@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from lldslight.errors import script_main
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,4 +81,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

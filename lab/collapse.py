@@ -46,7 +46,7 @@ from typing import Optional
 
 import yaml
 
-from lldslight.errors import UserError
+from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -572,4 +572,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

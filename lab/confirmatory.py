@@ -63,7 +63,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from lldslight.errors import UserError
+from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
 from lldslight.writes import check_writable
 
@@ -874,4 +874,4 @@ def _main(argv: Optional[list[str]]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

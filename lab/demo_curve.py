@@ -26,6 +26,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from lldslight.errors import script_main
 from lldslight.errors import require
 from lldslight.evaluation import paired_change
 
@@ -142,4 +143,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -22,6 +22,7 @@ import re
 import statistics
 from pathlib import Path
 
+from lldslight.errors import script_main
 from lldslight.errors import require
 from lldslight.evaluation import paired_change
 
@@ -141,4 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lldslight.errors import script_main
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,4 +239,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

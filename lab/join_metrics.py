@@ -18,9 +18,10 @@ import csv
 import gzip
 import io
 import os
-import sys
 import zlib
 from pathlib import Path
+
+from lldslight.errors import script_main
 
 
 def refuse(message: str) -> SystemExit:
@@ -135,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(script_main(main))

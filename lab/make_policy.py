@@ -28,6 +28,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from lldslight.errors import script_main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TAGS = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>", "<think>", "</think>"]
@@ -151,4 +153,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

@@ -13,6 +13,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from lldslight.errors import script_main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,4 +90,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script_main(main))

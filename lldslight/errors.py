@@ -8,8 +8,9 @@ PlotInputError, ...) derive from :class:`UserError`; so can yours.
 from __future__ import annotations
 
 import argparse
+import sys
 import typing
-from typing import Any
+from typing import Any, Callable, Optional
 
 
 class UserError(Exception):
@@ -59,6 +60,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def script_main(main: Callable[[], Optional[int]]) -> int:
+    """Run a script's ``main`` as a command: a refusal it raises as ``SystemExit("message")`` (the
+    form its tests catch) prints that one line and exits 2, bad input, as lldslight's own commands do
+    (a bare SystemExit with a message would exit 1, read as a failure)."""
+    try:
+        return int(main() or 0)
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+            return 2
+        raise
 
 
 # Exit statuses of a command stopped by a signal, after Lightning's graceful shutdown: the shell's own

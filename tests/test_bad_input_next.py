@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.test_bad_input import assert_one_line_error, run_cli, tiny_config, unloadable_model, work  # noqa: F401
 
 
@@ -319,3 +320,36 @@ def test_wandb_online_with_its_server_out_of_reach_is_one_line_before_the_model_
     cfg = tiny_config(work / "wandb_dead.yaml", model=unloadable_model)
     code, err = run_cli(fit_args(cfg, work / "runs_wandb_dead", "--config", WANDB_ONLINE), work, capsys)
     assert_one_line_error(code, err, "fit", f"trainer.logger WandbLogger (offline: false): the W&B server {url} is out of reach (")
+
+
+# --------------------------------------------------------------------------- the lab's scripts
+
+
+@pytest.mark.parametrize("script, args, line", [
+    ("collapse.py", ["--hold", "0", "--name", "x"], "collapse: --hold must be >= 1 (consecutive steps the collapse condition holds), got 0"),
+    ("join_metrics.py", ["{tmp}/a.csv", "{tmp}/b.csv", "{tmp}/out.csv", "--from-step", "3"], "join_metrics: {tmp}/a.csv: no such file"),
+    ("confirmatory.py", ["--c3", "--demo", "{tmp}/none"], "confirmatory: --demo {tmp}/none: no such directory; give "),
+])
+def test_a_lab_script_refusal_is_one_line_and_exit_2(tmp_path, script, args, line):
+    """Run by path as the docs show: the refusal is the only line on stderr, exit 2 (bad input), as
+    lldslight's own commands; nothing is written."""
+    import subprocess
+
+    args = [a.format(tmp=tmp_path) for a in args]
+    done = subprocess.run([sys.executable, str(ROOT / "lab" / script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(line.format(tmp=tmp_path)) and done.stderr.count("\n") == 1, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_script_main_turns_a_message_into_exit_2_and_keeps_other_exits(capsys):
+    from lldslight.errors import script_main
+
+    def refuses():
+        raise SystemExit("tool: --x 3: not allowed")
+
+    assert script_main(refuses) == 2 and capsys.readouterr().err == "tool: --x 3: not allowed\n"
+    assert script_main(lambda: 0) == 0 and script_main(lambda: None) == 0 and script_main(lambda: 143) == 143
+    with pytest.raises(SystemExit) as stop:
+        script_main(lambda: sys.exit(130))
+    assert stop.value.code == 130
