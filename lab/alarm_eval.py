@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.science import collapse as C
 from lldslight.science.alarm import AlarmConfig, replay_alarm
 
@@ -113,6 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     calib, test = load_runs(args.calibrate), load_runs(args.test)
     if not calib or not test:
         raise SystemExit(f"alarm_eval: no archived runs in {args.calibrate if not calib else args.test}")

@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "lab" / "archive" / "collapse" / "real_lm_C_calib"
@@ -68,6 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=REAL / "calibration.json")
     args = parser.parse_args()
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     real = {f"{a}/seed{s}": real_run(a, s) for a in REAL_ARMS for s in REAL_SEEDS}
     demo = {f"{a}/seed{s}": demo_run(a, s) for a in DEMO_ARMS for s in DEMO_SEEDS}
     missing = [k for k, v in {**real, **demo}.items() if v is None]

@@ -65,7 +65,7 @@ from typing import Optional
 
 from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
-from lldslight.writes import check_writable
+from lldslight.writes import check_out_file
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median
@@ -829,13 +829,9 @@ def _main(argv: Optional[list[str]]) -> int:
     if args.controller is not None:
         print(controller_text(args.controller), end="")
         return 0
-    if args.json is not None:  # before the analysis: a directory or a missing folder fails at the end otherwise
-        if args.json.is_dir():
-            raise SystemExit(f"confirmatory: --json {args.json}: is a directory; give the file to write (e.g. {args.json / 'c1.json'})")
-        if not args.json.parent.is_dir():
-            raise SystemExit(f"confirmatory: --json {args.json}: no such directory {args.json.parent}")
-        try:  # a read-only place: refused now, not after the whole analysis
-            check_writable(args.json.parent, f"--json {args.json}")
+    if args.json is not None:  # before the analysis: a directory, a missing or read-only folder fails at the end otherwise
+        try:
+            check_out_file(args.json, "--json")
         except UserError as err:
             raise SystemExit(f"confirmatory: {err}") from None
     if args.demo is not None and args.c3:

@@ -27,6 +27,7 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.errors import require
 from lldslight.evaluation import paired_change
 
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--archive", default=None, help="also copy the run's evidence here, gzipped")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     run = Path(args.run)
     if args.archive:
         archive(run, Path(args.archive))

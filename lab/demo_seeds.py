@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.errors import require
 from lldslight.evaluation import paired_change
 
@@ -111,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--recipe-n", type=int, default=32, help="the N of the tested arms' directories n{N}_seed{S}")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     root = Path(args.root)
     require(root.is_dir(), str(root), "a directory of arms n{N}_seed{S}", "missing")
     if args.archive:

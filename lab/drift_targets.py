@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--first", type=int, default=30, help="the first step read (after the warm-up; default 30)")
     parser.add_argument("--last", type=int, default=None, help="the last step read (default: every step; a run short of it is refused)")
     args = parser.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     if args.describe:
         rows = [c for c in (describe(g) for g in GROUPS) if c is not None]
         print(table(rows))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.science import collapse as C
 
 
@@ -81,6 +82,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--window", type=int, default=100, help="a heal is a false alarm when the unhealed run did not collapse within this many steps after it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
 
     healed, unhealed, lower = load(args.healed), load(args.unhealed), load(args.lower)
     if not healed:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.errors import script_main
+from lldslight.writes import check_out_file
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--archive", type=Path, default=ARCHIVE, help="the lab's archive (default lab/archive/collapse)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the record (default ARCHIVE/record.json)")
     args = parser.parse_args(argv)
+    if args.json is not None:  # refused now, not after the work
+        check_out_file(args.json, "--json")
     rec = record(args.archive)
     print(table(rec), end="")
     path = args.json or args.archive / "record.json"

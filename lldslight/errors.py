@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 
@@ -64,10 +65,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def script_main(main: Callable[[], Optional[int]]) -> int:
     """Run a script's ``main`` as a command: a refusal it raises as ``SystemExit("message")`` (the
-    form its tests catch) prints that one line and exits 2, bad input, as lldslight's own commands do
-    (a bare SystemExit with a message would exit 1, read as a failure)."""
+    form its tests catch) or as a UserError prints that one line and exits 2, bad input, as
+    lldslight's own commands do (a bare SystemExit with a message would exit 1, read as a failure)."""
     try:
         return int(main() or 0)
+    except UserError as err:  # e.g. writes.check_out_file's: the script's name, then the message
+        print(f"{Path(sys.argv[0]).stem}: {err}", file=sys.stderr)
+        return 2
     except SystemExit as stop:
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)

@@ -48,6 +48,17 @@ def check_writable(directory: Path, what: str) -> None:
         raise UserError(f"{what}: cannot write to {directory}: {_reason(err)}") from None
 
 
+def check_out_file(path: Path, flag: str) -> None:
+    """``path`` is a file a tool will write at the end of its work (``--json``): a directory, a
+    missing folder or a read-only one fails now, in one line naming ``flag``, not after the work."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give the file to write (e.g. {path / 'out.json'})")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: no such directory {path.parent}")
+    check_writable(path.parent, f"{flag} {path}")
+
+
 def check_out_dir(out: Path, force: bool, flag: str, what: str) -> None:
     """``out`` must be a new or empty directory, unless ``force`` (files of the same name are then
     replaced), and its parent writable: ``what`` (e.g. "the export") writes a model directory

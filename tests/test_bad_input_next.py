@@ -353,3 +353,19 @@ def test_script_main_turns_a_message_into_exit_2_and_keeps_other_exits(capsys):
     with pytest.raises(SystemExit) as stop:
         script_main(lambda: sys.exit(130))
     assert stop.value.code == 130
+
+
+@pytest.mark.parametrize("script", ["record.py", "drift_targets.py", "alarm_eval.py", "heal_eval.py", "calib_c.py"])
+def test_a_lab_scripts_json_in_a_missing_folder_is_refused_before_the_work(tmp_path, script):
+    """--json names a file written at the end: a missing folder is refused first (exit 2, one line), not
+    after the analysis."""
+    import subprocess
+
+    target = tmp_path / "no" / "such" / "out.json"
+    extra = {"drift_targets.py": ["--describe"], "alarm_eval.py": ["--calibrate", "a", "--test", "b"],
+             "heal_eval.py": ["--healed", "a", "--unhealed", "b"]}.get(script, [])
+    done = subprocess.run([sys.executable, str(ROOT / "lab" / script), *extra, "--json", str(target)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"{script[:-3]}: --json {target}: no such directory {target.parent}\n"
+    assert done.stdout == ""
