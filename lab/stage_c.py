@@ -39,9 +39,9 @@ from lldslight.science.alarm import AlarmConfig, replay_alarm
 from lldslight.writes import check_out_file
 
 if __package__:  # lab.stage_c: imported (tests), or run as python -m lab.stage_c
-    from .confirmatory import ALPHA, HOLD, LAB, collect, kind_label, paired_difference, pairs_across_machines, primary, shown
+    from .confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
 else:  # python lab/stage_c.py: the script's own folder is on sys.path
-    from confirmatory import ALPHA, HOLD, LAB, collect, kind_label, paired_difference, pairs_across_machines, primary, shown
+    from confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
 
 NAME = "real_lm_C"
 SEEDS = tuple(range(20, 32))
@@ -136,18 +136,7 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> di
     g = outcomes["grpo"]
     grpo_median = statistics.median(g[s]["time"] for s in seeds)
     horizon_ok = grpo_median <= HORIZON / 2
-    tests = {role: primary(outcomes, kinds, treated=role) for role in ("llds", "preset")}
-    adjusted = C.holm([tests[r]["p"] for r in tests])
-    claims = {}
-    for (role, test), p_holm in zip(tests.items(), adjusted):
-        passes = p_holm <= ALPHA
-        words = {"llds": "LLDS", "preset": "the preset's drift bound"}[role]
-        verdict = (f"{words} prevented the collapse within {HORIZON} steps" if passes and horizon_ok
-                   else f"fewer runs collapsed within {HORIZON} steps with {words} (the horizon rule did not hold)" if passes
-                   else "not supported: the primary test did not pass (Holm)")
-        o = outcomes[role]
-        claims[role] = {**test, "p_holm": p_holm, "passes": passes, "verdict": verdict,
-                        "collapsed": sum(o[s]["collapsed"] for s in seeds)}
+    claims = prevention_claims(outcomes, kinds, {"llds": "LLDS", "preset": "the preset's drift bound"}, HORIZON, horizon_ok)
     preset, best = outcomes["preset"], outcomes["best"]
     d = [(preset[s]["final_reward"] or 0.0) - (best[s]["final_reward"] or 0.0) for s in seeds]
     p3 = wilcoxon_p3(d)
@@ -155,12 +144,7 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> di
                      if p3["passes"] else "not supported: P3 did not pass")
     secondary = {}
     for role, control in (("llds", "grpo"), ("preset", "grpo"), ("best", "grpo"), ("preset", "best")):
-        o, c = outcomes[role], outcomes[control]
-        secondary[f"{role}-{control}"] = {
-            "rmst_difference": C.rmst_difference([(c[s]["time"], c[s]["collapsed"]) for s in seeds],
-                                                 [(o[s]["time"], o[s]["collapsed"]) for s in seeds], HORIZON, n_boot=2000),
-            "final_reward": paired_difference(o, c, seeds) | {"permutation_p": C.paired_permutation(
-                [c[s]["final_reward"] or 0.0 for s in seeds], [o[s]["final_reward"] or 0.0 for s in seeds], alternative="two-sided")["p"]}}
+        secondary[f"{role}-{control}"] = paired_secondaries(outcomes[role], outcomes[control], seeds, HORIZON)
     means = {role: {k: _mean([outcomes[role][s][k] if outcomes[role][s][k] is not None else math.nan for s in seeds])
                     for k in ("final_reward", "final_answered", "final_tool_call")} for role in ROLES}
     return {"seeds": seeds, "horizon": HORIZON, "hold": HOLD, "alpha": ALPHA, "family": "Holm over P1, P2",
