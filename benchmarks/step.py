@@ -62,7 +62,7 @@ with ``--shared-prefix both`` (the default) a third run, "lldslight-unshared", c
 and encodes every row in full (``shared_prefix: false``): ``step_time_ratio_unshared`` against TRL,
 and ``shared_prefix_ratio`` (lldslight / lldslight-unshared, step and phases) says what the sharing
 saves. ``--shared-prefix off`` runs the first two with it off. lldslight's workers run with the malloc
-tunables the ``lldslight`` command sets for itself (lldslight/hostmem.py); TRL's with glibc's
+tunables the ``lldslight`` command sets for itself (lldslight/run/hostmem.py); TRL's with glibc's
 defaults, or with the same tunables under ``--malloc same`` (a like-for-like allocator check).
 
 Also per side: memory (peak RSS of the process; and, from the idle process after the warm-up
@@ -630,7 +630,7 @@ def ensure_trl_venv(python: str | None) -> str:
 
 
 def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
-    from lldslight import hostmem
+    from lldslight.run import hostmem
 
     spec = dict(spec, side=side, checkpointing="auto" if side == "lldslight-auto" else True,
                 shared_prefix=spec.get("shared_prefix", True) and side != "lldslight-unshared")
@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
                    help="lldslight's model.shared_prefix: on, off, or on plus a run with it off (lldslight-unshared)")
     p.add_argument("--malloc", choices=["lldslight", "default", "same"], default="lldslight",
-                   help="glibc malloc tunables (lldslight/hostmem.py): lldslight's workers only (as its command runs), nobody, "
+                   help="glibc malloc tunables (lldslight/run/hostmem.py): lldslight's workers only (as its command runs), nobody, "
                         "or both sides")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0 = no reference pass, both sides)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "lab" / "archive" / "collapse" / "real_lm_C_calib"

@@ -65,7 +65,7 @@ from typing import Optional
 
 from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median

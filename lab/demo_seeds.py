@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 from lldslight.errors import require
 from lldslight.evaluation import paired_change
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from lldslight.errors import require
-from lldslight.hostmem import available_memory
+from lldslight.run.hostmem import available_memory
 
 
 @dataclass(frozen=True)

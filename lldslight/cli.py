@@ -64,12 +64,12 @@ def _cli_class():
     from jsonargparse import ActionConfigFile
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight import stopping
-    from lldslight.checkpoint_io import resolve_last_checkpoint
+    from lldslight.run import stopping
+    from lldslight.run.checkpoint_io import resolve_last_checkpoint
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.errors import UserError
     from lldslight.module import GRPOModule
-    from lldslight.preflight import check_checkpoint
+    from lldslight.run.checkpoint_io import check_checkpoint
 
     class ConfigFile(ActionConfigFile):
         """``--config`` where a list written ``key:`` replaces the list of an earlier config and
@@ -141,7 +141,7 @@ def _cli_class():
             null since) folded into the groups first: the parser knows the groups only."""
             import torch
 
-            from lldslight import deprecated_keys
+            from lldslight.run import deprecated_keys
 
             ckpt_path = self.config[sub].get("ckpt_path")
             if not ckpt_path or not Path(ckpt_path).is_file():
@@ -160,7 +160,7 @@ def _cli_class():
                 raise
 
         def _run_subcommand(self, subcommand: str) -> None:
-            from lldslight.run_dir import is_rank_zero
+            from lldslight.run.run_dir import is_rank_zero
 
             sub = self.config[subcommand]
             locks = _claim_run_dirs(self.trainer, bool(sub.get("force")), sub.get("ckpt_path"), subcommand) if is_rank_zero() else []
@@ -277,8 +277,8 @@ def check_stateful_callbacks(callbacks: list) -> None:
 def _refuse_flat_keys(model: Any, where: str) -> None:
     """One line naming the new place of each flat model key (``model.lr``: now ``model.optim.lr``)
     that ``model`` (a config's ``model:`` mapping, or the keys after ``--model.``) holds, before the
-    parse and the model (lldslight/deprecated_keys.py)."""
-    from lldslight import deprecated_keys
+    parse and the model (lldslight/run/deprecated_keys.py)."""
+    from lldslight.run import deprecated_keys
     from lldslight.errors import ConfigError
 
     found = deprecated_keys.flat_keys_in(model) if isinstance(model, dict) else [k for k in model or () if k in deprecated_keys.GROUP_OF]
@@ -367,7 +367,7 @@ def _override_keys(value: Optional[str], known: set[str]) -> Optional[set[str]]:
     text = str(value).strip()
     if text.lower() in ("all", "true"):
         return None
-    from lldslight import deprecated_keys
+    from lldslight.run import deprecated_keys
 
     keys = set()
     for raw in text.split(","):
@@ -440,7 +440,7 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
     of yours) keeps it."""
     import shutil
 
-    from lldslight.run_dir import lock_path, log_dir, previous_run
+    from lldslight.run.run_dir import lock_path, log_dir, previous_run
 
     for logger in getattr(trainer, "loggers", None) or []:
         path = log_dir(logger)
@@ -452,7 +452,7 @@ def _remove_empty_run_dirs(trainer: Any) -> None:
 def _claim_run_dirs(trainer: Any, force: bool, ckpt_path: Any, subcommand: str) -> list:
     """Each logger's run directory checked (no earlier run in it without --force, which replaces
     it; a fit resuming from a checkpoint inside it continues that run, its metrics kept) and locked."""
-    from lldslight.run_dir import checkpoint_step, claim, keep_metrics, log_dir
+    from lldslight.run.run_dir import checkpoint_step, claim, keep_metrics, log_dir
 
     locks: list = []
     try:
@@ -476,7 +476,7 @@ def _checkpoint_file(trainer: Any, ckpt_path: Any) -> Optional[Path]:
     ``last*.ckpt`` of the checkpoint callbacks' directories); None for none or a remote one."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lldslight.preflight import CKPT_KEYWORDS
+    from lldslight.run.checkpoint_io import CKPT_KEYWORDS
 
     text = str(ckpt_path)
     if ckpt_path is None or "://" in text or (text in CKPT_KEYWORDS and text != "last") or text.startswith("registry:"):
@@ -493,11 +493,11 @@ def _checkpoint_file(trainer: Any, ckpt_path: Any) -> Optional[Path]:
 
 def _stopped(trainer: Any, subcommand: str) -> Optional[Exception]:
     """The Stopped error (its message and exit status) of a run Lightning stopped on Ctrl-C or SIGTERM."""
-    from lldslight import stopping
+    from lldslight.run import stopping
     from lldslight.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, Stopped
 
     # Lightning's flag is reset when it installs its handlers: one that came while the model loaded
-    # is known to lldslight.stopping only.
+    # is known to lldslight.run.stopping only.
     sigterm = bool(getattr(trainer, "received_sigterm", False)) or stopping.received()
     if trainer is None or not (sigterm or getattr(trainer, "interrupted", False)):
         return None
@@ -521,7 +521,7 @@ TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     # Crash-safe checkpoint writes (temp file, fsync, rename): a kill never leaves a corrupt last.ckpt.
-    "plugins": [{"class_path": "lldslight.checkpoint_io.AtomicCheckpointIO"}],
+    "plugins": [{"class_path": "lldslight.run.checkpoint_io.AtomicCheckpointIO"}],
 }
 
 
@@ -551,8 +551,8 @@ class _NoProductTips(logging.Filter):
 def _check_config_files(argv: list[str]) -> None:
     """Each ``--config`` (a file or an inline YAML string) checked before jsonargparse reads it: its
     errors name no file, and it has no bounds and keeps a key given twice silently
-    (lldslight/config_files.py)."""
-    from lldslight.config_files import check_text, load_file
+    (lldslight/run/config_files.py)."""
+    from lldslight.run.config_files import check_text, load_file
 
     pairs = list(zip(argv, argv[1:])) + [tuple(a.split("=", 1)) for a in argv if a.startswith("--config=")]
     configs = []
@@ -786,9 +786,9 @@ def _run(argv: list[str], from_command_line: bool) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     from_command_line = argv is None
     if from_command_line:
-        from lldslight.hostmem import reexec_with_malloc_tunables
+        from lldslight.run.hostmem import reexec_with_malloc_tunables
 
-        reexec_with_malloc_tunables()  # once, before anything is allocated (lldslight/hostmem.py)
+        reexec_with_malloc_tunables()  # once, before anything is allocated (lldslight/run/hostmem.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     if "--debug" in argv:

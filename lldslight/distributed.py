@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lldslight.errors import require
-from lldslight.metric_rules import REDUCTIONS
+from lldslight.run.metric_rules import REDUCTIONS
 from lldslight.policy import causal_lm
 
 T = TypeVar("T")
@@ -195,7 +195,7 @@ def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: t
     waiting for another that raised) rather than logged unreduced."""
     bad = {k: kinds.get(k) for k in values if kinds.get(k) not in REDUCTIONS}
     require(not bad, "reduce_over_ranks: every key's reduction", f"one of {REDUCTIONS}", bad,
-            "lldslight/metric_rules.py names them")
+            "lldslight/run/metric_rules.py names them")
     if world_size() == 1:
         return dict(values)
     out = dict(values)

@@ -19,8 +19,8 @@ import torch
 
 from lldslight.errors import ArgumentParser, CheckpointError
 from lldslight.policy import LoRAConfig, PolicyConfig
-from lldslight.preflight import check_checkpoint
-from lldslight.writes import check_out_dir
+from lldslight.run.checkpoint_io import check_checkpoint
+from lldslight.run.writes import check_out_dir
 
 
 def policy_from_hparams(value: Any) -> PolicyConfig:

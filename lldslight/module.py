@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import deprecated_keys, evaluation, frozen_prefix
+from lldslight.run import deprecated_keys
+from lldslight import evaluation, frozen_prefix
 from lldslight import update
-from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight.run.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.distributed import (
     FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, gradient_sync, reduce_over_ranks, shard_policy, through_root,
 )
@@ -40,7 +41,7 @@ from lldslight.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, resolve_precision
 from lldslight.preflight import check_policy
-from lldslight.metric_rules import reduction
+from lldslight.run.metric_rules import reduction
 from lldslight.optim import OptimConfig, build_optimizer, set_learning_rate
 from lldslight.trajectory import Trajectory
 from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
@@ -328,7 +329,7 @@ class GRPOModule(pl.LightningModule):
         metrics.update(per_update)
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
-        # Across ranks, by lldslight/metric_rules.py (maxima stay maxima, shares and counts add up, a
+        # Across ranks, by lldslight/run/metric_rules.py (maxima stay maxima, shares and counts add up, a
         # step takes as long as its slowest rank, the rest is averaged); an update's key without a
         # rule (your loss term's or gate's) by its channel. Reduced here, once, so that callbacks
         # reading last_step_metrics see the same global values on every rank (every rank logs the
@@ -337,7 +338,7 @@ class GRPOModule(pl.LightningModule):
         self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
         self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 
-    # -- checkpoints (lldslight/checkpoint_io.py) ----------------------------------------------------
+    # -- checkpoints (lldslight/run/checkpoint_io.py) ----------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}

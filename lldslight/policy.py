@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lldslight.errors import ConfigError, UserError, choices, require
-from lldslight.writes import directory_written_whole
+from lldslight.run.writes import directory_written_whole
 
 log = logging.getLogger(__name__)
 # On an AVX512-BF16 CPU, importing bitsandbytes (peft does) warns that a hub kernel for its bf16

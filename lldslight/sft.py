@@ -45,7 +45,7 @@ from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, model_arithm
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import Layout, format_observation, observation_ids, pack, prompt_token_ids
-from lldslight.writes import check_out_dir, check_writable
+from lldslight.run.writes import check_out_dir, check_writable
 
 
 @dataclass

@@ -376,7 +376,7 @@ def test_corrupt_newest_sibling_is_skipped_when_offering_one(work, capsys):
 
 
 def test_lightning_checkpoint_reader_names_a_damaged_file(work):
-    from lldslight.checkpoint_io import AtomicCheckpointIO
+    from lldslight.run.checkpoint_io import AtomicCheckpointIO
     from lldslight.errors import CheckpointError
 
     paths = _checkpoints(work / "ckpt_run3" / "checkpoints")

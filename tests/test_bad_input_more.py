@@ -333,7 +333,7 @@ def test_a_full_disk_during_a_checkpoint_write_names_it(tmp_path):
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from lldslight.checkpoint_io import AtomicCheckpointIO\n"
+        "from lldslight.run.checkpoint_io import AtomicCheckpointIO\n"
         "from lldslight.errors import UserError\n"
         f"path = Path({str(path)!r})\n"
         "io = AtomicCheckpointIO()\n"

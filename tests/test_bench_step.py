@@ -18,7 +18,7 @@ def test_phase_memory_sees_a_known_allocation_above_idle(step):
     import gc
     import mmap
 
-    from lldslight import hostmem
+    from lldslight.run import hostmem
 
     # Earlier tests' garbage freed during the measurement would lower the RSS under the idle
     # figure taken at begin() (in one full-suite run the 200 MiB read as 144): settle it first.

@@ -1,7 +1,7 @@
 """``model.update.*`` and ``model.optim.*``: the groups GRPOModule takes whole, the flat keys they
 replaced (a user's gets one line naming its new place, before the model loads; a checkpoint's folds
 in silently), the shipped configs written with the groups, and the one learning-rate setter
-(lldslight/optim.py, lldslight/deprecated_keys.py).
+(lldslight/optim.py, lldslight/run/deprecated_keys.py).
 
 The new places a flat key is told to go are written out here by hand, not read from the table the
 code uses. The collapse lab's registered recipe is checked against its values written out by hand,
@@ -149,7 +149,7 @@ OLD_HPARAMS = {  # every hyper-parameter the flat GRPOModule saved (its signatur
 
 
 def test_an_old_checkpoints_flat_hyper_parameters_map_to_the_groups():
-    from lldslight.deprecated_keys import nested
+    from lldslight.run.deprecated_keys import nested
     from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig
 

@@ -86,7 +86,7 @@ def test_the_groups_are_taken_whole_and_documented():
     no forwarding code), each field keeps its default in its dataclass only, and every field is
     typed and documented (an attribute docstring after it, as litgpt's TrainArgs); the old
     release's flat keys are each a field of their group and no argument of GRPOModule's."""
-    from lldslight.deprecated_keys import GROUP_OF
+    from lldslight.run.deprecated_keys import GROUP_OF
     from lldslight.module import GRPOModule
     from lldslight.optim import OptimConfig
     from lldslight.update import UpdateConfig

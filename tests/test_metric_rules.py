@@ -1,4 +1,4 @@
-"""lldslight/metric_rules.py: one table of how each metric is reduced across ranks and over a
+"""lldslight/run/metric_rules.py: one table of how each metric is reduced across ranks and over a
 step's updates. Checked against a hand-written table of keys from docs/metrics.md, against the
 key-name conventions the sites used before the table (the same values logged), against every key
 docs/metrics.md and the source name, and against the page's section on it. That every key a real
@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_docs import METRICS_PAGE, source_keys
 
-from lldslight import metric_rules as mr
+from lldslight.run import metric_rules as mr
 from lldslight.update import RolloutUpdates
 
 # key: (across ranks, over updates; None = logged once per step), by hand from docs/metrics.md
@@ -123,7 +123,7 @@ def test_every_documented_and_every_source_key_has_a_rule():
     assert {"train/reward", "alarm/x_crossed", "val_after/em/x", "sft/loss"} <= documented
     found = set(source_keys())
     missing = sorted(k for k in documented | found if mr.rule_for(k) is None)
-    assert not missing, "no rule in lldslight/metric_rules.py for: " + ", ".join(missing)
+    assert not missing, "no rule in lldslight/run/metric_rules.py for: " + ", ".join(missing)
 
 
 def test_the_page_names_every_rule():

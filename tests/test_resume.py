@@ -8,7 +8,7 @@ What has to survive for that: adapter weights, AdamW moments, the warm-up schedu
 step, the data position, every RNG stream (sampling uses torch's) and the state of the LLDMonitor
 (phase detector) and GradientSpikeGuard (window of gradient norms) callbacks, and with dynamic sampling
 the refill stream's position. The run directory is found
-by ``--ckpt_path last`` although the CSV logger numbers its runs (lldslight.checkpoint_io); the resumed
+by ``--ckpt_path last`` although the CSV logger numbers its runs (lldslight.run.checkpoint_io); the resumed
 run logs to the next version directory.
 """
 from __future__ import annotations

@@ -47,9 +47,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lldslight.checkpoint_io import capture_rng, restore_rng
+from lldslight.run.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
-from lldslight.events import log_event
+from lldslight.run.events import log_event
 from lldslight.optim import scheduler_of, set_learning_rate
 
 

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight.science import diagnostics as diag
 from lldslight.errors import require
-from lldslight.metric_rules import reduction
+from lldslight.run.metric_rules import reduction
 
 WarningAction = Literal["none", "stop", "checkpoint"]
 

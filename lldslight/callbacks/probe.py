@@ -27,7 +27,7 @@ import torch
 
 from lldslight import objectives as obj
 from lldslight.errors import ConfigError, require
-from lldslight.events import log_event
+from lldslight.run.events import log_event
 
 
 class LLDProbe(pl.Callback):

@@ -11,14 +11,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from tqdm.auto import tqdm
 
-from lldslight import evaluation, stopping
+from lldslight import evaluation
+from lldslight.run import stopping
 from lldslight.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
 from lldslight.distributed import reduce_over_ranks
 from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
-from lldslight.metric_rules import reduction
+from lldslight.run.metric_rules import reduction
 from lldslight.policy import load_tokenizer, resolve_model_dir
-from lldslight.preflight import check_retriever
+from lldslight.retrieval.base import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardCaller
 from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine, SamplingSettings, WeightSync, eos_ids

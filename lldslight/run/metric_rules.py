@@ -129,7 +129,7 @@ def reduction(key: str, default: Optional[Reduction] = None) -> Reduction:
     if rule is not None:
         return rule.ranks
     if default is None:
-        raise KeyError(f"metric {key!r} has no reduction rule: add one to lldslight/metric_rules.py (and its row to docs/metrics.md)")
+        raise KeyError(f"metric {key!r} has no reduction rule: add one to lldslight/run/metric_rules.py (and its row to docs/metrics.md)")
     return default
 
 

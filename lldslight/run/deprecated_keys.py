@@ -15,19 +15,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from lldslight.optim import OptimConfig
-
 # The flat keys of the release before the groups, frozen: a field added to a group later has only
-# its group's key. Each moved to the group of the same field name.
-FLAT_KEYS = (
-    "lr", "weight_decay", "betas", "warmup_steps", "warmup_ratio", "optimizer",
+# its group's key. Each moved to the group of the same field name: the first six to OptimConfig's
+# fields, the rest to UpdateConfig's. Written out rather than read from the dataclasses, as the
+# table is frozen by definition (and the run's files need not import the update path).
+_OPTIM_KEYS = ("lr", "weight_decay", "betas", "warmup_steps", "warmup_ratio", "optimizer")
+_UPDATE_KEYS = (
     "updates_per_rollout", "micro_batch_size", "micro_batch_tokens", "reuse_onpolicy_logp", "old_logp_source", "clip_eps",
     "clip_eps_high", "ratio_clamp", "aggregation", "normalize_adv_std", "kl_coef", "kl_estimator", "entropy_coef",
     "grad_clip", "shuffle_minibatches", "minibatch_grouping", "negative_advantages",
 )
-_OPTIM = {f.name for f in dataclasses.fields(OptimConfig)}
+FLAT_KEYS = _OPTIM_KEYS + _UPDATE_KEYS
 # flat key -> its group ("optim" or "update")
-GROUP_OF: dict[str, str] = {key: "optim" if key in _OPTIM else "update" for key in FLAT_KEYS}
+GROUP_OF: dict[str, str] = {**dict.fromkeys(_OPTIM_KEYS, "optim"), **dict.fromkeys(_UPDATE_KEYS, "update")}
 
 
 def new_key(flat: str) -> str:
