@@ -55,7 +55,7 @@ flagged busy and repeated (``--no-repeat`` keeps it). Reported per side: medians
 lldslight runs twice per round: "lldslight" checkpoints every decoder layer, as TRL does (the like-
 for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient_checkpointing:
 auto`` (layers keep their activations while they fit in ``--activation-budget-mb``;
-lldslight/activation_checkpointing.py), which trades that much memory for less recompute
+lldslight/policy/activation_checkpointing.py), which trades that much memory for less recompute
 (``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. Both encode a
 group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/shared_prefix.py);
 with ``--shared-prefix both`` (the default) a third run, "lldslight-unshared", checkpoints every layer

@@ -27,7 +27,7 @@ TOOLS = {
     "serve": ("lldslight.retrieval.cli:serve_main", "serve an index over Search-R1's HTTP API"),
     "plot": ("lldslight.science.plots:main", "plot the LLD diagnostics of one or more runs"),
     "sft": ("lldslight.sft:main", "supervised warm start on gold search trajectories (before GRPO)"),
-    "export": ("lldslight.export:main", "merge the adapter of a checkpoint into a HF model directory"),
+    "export": ("lldslight.policy.export:main", "merge the adapter of a checkpoint into a HF model directory"),
 }
 DEBUG_ENV = "LLDSLIGHT_DEBUG"
 

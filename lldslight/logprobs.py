@@ -35,7 +35,8 @@ from torch.autograd.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from lldslight import frozen_prefix, shared_prefix
-from lldslight.policy import causal_lm, decoder_and_head, precision_autocast
+from lldslight.policy.load import causal_lm, decoder_and_head
+from lldslight.policy.precision import precision_autocast
 
 CHUNK_BYTES = 32 * 2**20  # one [chunk, V] fp32 buffer: 170 positions at V = 49k, 55 at 152k
 

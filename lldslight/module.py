@@ -33,14 +33,22 @@ from lldslight.run import deprecated_keys
 from lldslight import evaluation, frozen_prefix
 from lldslight import update
 from lldslight.run.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
-from lldslight.distributed import (
-    FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, gradient_sync, reduce_over_ranks, shard_policy, through_root,
+from lldslight.policy.distributed import (
+    FSDPConfig,
+    data_parallel_mesh,
+    fsdp2_strategy_check,
+    gradient_sync,
+    reduce_over_ranks,
+    shard_policy,
+    through_root,
 )
 from lldslight.errors import require
-from lldslight.activation_checkpointing import activation_budget
+from lldslight.policy.activation_checkpointing import activation_budget
 from lldslight.logprobs import token_logprobs
-from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, resolve_precision
-from lldslight.preflight import check_policy
+from lldslight.policy.config import PolicyConfig
+from lldslight.policy.load import has_adapter, load_policy
+from lldslight.policy.precision import model_arithmetic, resolve_precision
+from lldslight.policy.files import check_policy
 from lldslight.run.metric_rules import reduction
 from lldslight.optim import OptimConfig, build_optimizer, set_learning_rate
 from lldslight.trajectory import Trajectory
@@ -67,7 +75,7 @@ class GRPOModule(pl.LightningModule):
         logprob_chunk_size: positions per vocabulary-projection chunk; null sizes a chunk's fp32 logits
             to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
-            lldslight.distributed.FSDP2Strategy.
+            lldslight.policy.distributed.FSDP2Strategy.
     """
 
     def __init__(

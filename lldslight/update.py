@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from lldslight.run import hostmem
 from lldslight import shared_prefix
 from lldslight import objectives as obj
-from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
+from lldslight.policy.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
 from lldslight.run.metric_rules import logged_name, over_updates, reduction
 from lldslight.trajectory import Trajectory

@@ -184,7 +184,7 @@ def test_a_directory_as_val_files_is_one_line(work, capsys, tmp_path):
 
 
 def test_no_deprecated_key_in_a_shipped_config():
-    """policy.dtype is deprecated (policy.precision replaced it; lldslight/policy.py warns)."""
+    """policy.dtype is deprecated (policy.precision replaced it; lldslight/policy/config.py warns)."""
     found = []
     for path in sorted((ROOT / "configs").rglob("*.yaml")):
         policy = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("policy") or {}

@@ -259,7 +259,7 @@ model:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "{class_path: lldslight.distributed.FSDP2Strategy}"], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "{class_path: lldslight.policy.distributed.FSDP2Strategy}"], ids=["ddp", "fsdp2"])
 def test_two_ranks_stay_in_step(tmp_path, strategy) -> None:
     """2 processes (gloo) with configs/dynamic_sampling.yaml composed on top: every step, both ranks
     call generate equally often (under FSDP2 each call gathers the sharded weights collectively: a

@@ -235,7 +235,7 @@ def trained_policy(ckpt_path: Path, precision: str | None = None):
     """The policy a checkpoint trained: the quantized base rebuilt from the checkpoint's policy
     config, its adapter loaded, bitsandbytes' training kernels (LoRA dropout 0); computing in
     ``precision`` when given, else as training did."""
-    from lldslight.export import load_checkpoint, policy_from_hparams
+    from lldslight.policy.export import load_checkpoint, policy_from_hparams
 
     checkpoint = load_checkpoint(ckpt_path)
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
@@ -251,7 +251,7 @@ def export_matches_training(ckpt_path: Path, out: Path) -> None:
     trained policy's logits."""
     from transformers import AutoModelForCausalLM
 
-    from lldslight.export import main as export_main
+    from lldslight.policy.export import main as export_main
 
     assert export_main(["--ckpt", str(ckpt_path), "--out", str(out), "--dtype", "float32"]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out)

@@ -53,12 +53,12 @@ def test_recipe_prints_its_config(recipe, capsys):
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path):
     from lldslight.callbacks import LLDS, SearchRollout
-    from lldslight.distributed import FSDP2Strategy
+    from lldslight.policy.distributed import FSDP2Strategy
     from lldslight.retrieval import HttpRetriever
 
     raw = yaml.safe_load(recipe.read_text())
     strategy = raw["trainer"]["strategy"]
-    assert strategy["class_path"] == "lldslight.distributed.FSDP2Strategy"
+    assert strategy["class_path"] == "lldslight.policy.distributed.FSDP2Strategy"
     assert isinstance(FSDP2Strategy(**strategy.get("init_args", {})), FSDP2Strategy)
     gpus = raw["trainer"]["devices"] * raw["trainer"]["num_nodes"]
     assert gpus == 4

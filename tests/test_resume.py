@@ -1,7 +1,7 @@
 """Exact resume: a tiny fit killed (SIGKILL) in the middle of a step and restarted with
 ``--ckpt_path last`` logs bit for bit the same metrics for the remaining steps as a run never
 interrupted, and ends with the same weights. (Sampling with LoRA folds the adapter into a copy of
-the weights, so the frozen base never drifts: policy.py ``sampling_weights``.) The resumed run skips
+the weights, so the frozen base never drifts: lldslight/policy/sampling.py ``sampling_weights``.) The resumed run skips
 ``eval_before_fit``: its weights are trained, so its evaluation would not be a "before" number.
 
 What has to survive for that: adapter weights, AdamW moments, the warm-up scheduler, the global

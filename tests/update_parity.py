@@ -188,7 +188,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup = torch.load(args.out / "setup.pt", weights_only=False)
-    strategy = "ddp" if args.strategy == "ddp" else __import__("lldslight.distributed", fromlist=["x"]).FSDP2Strategy()
+    strategy = "ddp" if args.strategy == "ddp" else __import__("lldslight.policy.distributed", fromlist=["x"]).FSDP2Strategy()
     kw = {"micro_batch_size": args.micro_batch_size}
     if args.micro_batch_tokens:
         kw["micro_batch_tokens"] = args.micro_batch_tokens

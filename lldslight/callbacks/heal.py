@@ -368,7 +368,7 @@ class Heal(pl.Callback):
             self._anchor(pl_module, create=create_anchor)
 
     def _anchor(self, pl_module, create: bool) -> None:
-        from lldslight.policy import has_adapter
+        from lldslight.policy.load import has_adapter
 
         if has_adapter(pl_module.policy):
             return  # the reference is the base model with the adapter off

@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 from lldslight import evaluation
 from lldslight.run import stopping
 from lldslight.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
-from lldslight.distributed import reduce_over_ranks
+from lldslight.policy.distributed import reduce_over_ranks
 from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
 from lldslight.run.metric_rules import reduction
-from lldslight.policy import load_tokenizer, resolve_model_dir
+from lldslight.policy.files import load_tokenizer, resolve_model_dir
 from lldslight.retrieval.base import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardCaller

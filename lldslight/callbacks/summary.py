@@ -89,7 +89,7 @@ class RunSummary(pl.Callback):
 
         import torch
 
-        from lldslight.policy import cpu_description
+        from lldslight.policy.precision import cpu_description
 
         summary = {
             "wall_time_s": time.perf_counter() - self._start,
