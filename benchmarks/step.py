@@ -57,7 +57,7 @@ for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient
 auto`` (layers keep their activations while they fit in ``--activation-budget-mb``;
 lldslight/policy/activation_checkpointing.py), which trades that much memory for less recompute
 (``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. Both encode a
-group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/shared_prefix.py);
+group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/update/shared_prefix.py);
 with ``--shared-prefix both`` (the default) a third run, "lldslight-unshared", checkpoints every layer
 and encodes every row in full (``shared_prefix: false``): ``step_time_ratio_unshared`` against TRL,
 and ``shared_prefix_ratio`` (lldslight / lldslight-unshared, step and phases) says what the sharing
@@ -266,7 +266,7 @@ def work_of(prompt_len, completion_len) -> dict:
 def module_groups(spec: dict) -> dict:
     """lldslight's side as GRPOModule's argument groups (policy, update, optim): one learning-rate
     step with micro-batches of ``micro_batch`` rows, no entropy term, the KL pass when beta > 0."""
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.policy import LoRAConfig, PolicyConfig
     from lldslight.update import UpdateConfig
 
@@ -418,13 +418,13 @@ def worker_lldslight(spec: dict) -> dict:
 
 
 # The phases of lldslight's step that --profile labels, on the code path a training step takes
-# (SearchRollout -> RolloutEngine.generate; GRPOModule.training_step -> update.train_on_rollout,
-# whose first part, update.prepare, computes the advantages and pi_old's and the reference's
+# (SearchRollout -> RolloutEngine.generate; GRPOModule.training_step -> update.train.train_on_rollout,
+# whose first part, update.train.prepare, computes the advantages and pi_old's and the reference's
 # log-probs). The worker labels training_step ("update") and manual_backward ("backward") itself.
 # As (module, attribute path, label); tests/test_bench_step.py checks every target exists.
 LLDSLIGHT_LABELS = (
     ("lldslight.rollout", "RolloutEngine.generate", "rollout"),
-    ("lldslight.update", "prepare", "log-probs"),
+    ("lldslight.update.train", "prepare", "log-probs"),
 )
 
 

@@ -2,9 +2,9 @@
 
 This file sets up the models, the optimiser (optim.py) and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
-optimiser step) read top to bottom in update.py, and the formulas live in objectives.py.
+optimiser step) read top to bottom in update/train.py, and the formulas live in update/objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
-gradient-spike guard); see update.py for the contracts. GRPOModule is update.py's ``Learner``
+gradient-spike guard); see update/train.py for the contracts. GRPOModule is update/train.py's ``Learner``
 (what an update needs from the model) and takes the update's settings whole, an
 ``update.UpdateConfig`` (``model.update``): ``self.update_config``, which callbacks read too; the
 optimiser's are an ``optim.OptimConfig`` (``model.optim``): ``self.optim_config``.
@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight.run import deprecated_keys
-from lldslight import evaluation, frozen_prefix
-from lldslight import update
-from lldslight.run.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight import evaluation
+from lldslight.errors import require
+from lldslight.policy.activation_checkpointing import activation_budget
+from lldslight.policy.config import PolicyConfig
 from lldslight.policy.distributed import (
     FSDPConfig,
     data_parallel_mesh,
@@ -42,23 +42,23 @@ from lldslight.policy.distributed import (
     shard_policy,
     through_root,
 )
-from lldslight.errors import require
-from lldslight.policy.activation_checkpointing import activation_budget
-from lldslight.logprobs import token_logprobs
-from lldslight.policy.config import PolicyConfig
+from lldslight.policy.files import check_policy
 from lldslight.policy.load import has_adapter, load_policy
 from lldslight.policy.precision import model_arithmetic, resolve_precision
-from lldslight.policy.files import check_policy
+from lldslight.run import deprecated_keys
+from lldslight.run.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
 from lldslight.run.metric_rules import reduction
-from lldslight.optim import OptimConfig, build_optimizer, set_learning_rate
 from lldslight.trajectory import Trajectory
-from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
+from lldslight.update import frozen_prefix, train
+from lldslight.update.logprobs import token_logprobs
+from lldslight.update.optim import OptimConfig, build_optimizer, set_learning_rate
+from lldslight.update.train import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
 
 RolloutStage = Literal["train", "eval"]
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO on search trajectories; update.py's ``Learner``.
+    """GRPO on search trajectories; update/train.py's ``Learner``.
 
     Its settings come in groups, each a typed dataclass taken whole (``model.<group>.<field>`` in
     YAML; every field documented in docs/configuration.md and by ``lldslight fit --help``): a field
@@ -257,7 +257,7 @@ class GRPOModule(pl.LightningModule):
     def with_frozen_prefix(self, traj: Trajectory, micro: list[Tensor]) -> Trajectory:
         """``traj`` with the hidden state entering the first trained decoder layer stored on it
         (``frozen_hidden``), computed once in the micro-batches ``micro``, so that every later pass
-        of this rollout batch runs only the layers from there up (lldslight/frozen_prefix.py);
+        of this rollout batch runs only the layers from there up (lldslight/update/frozen_prefix.py);
         ``traj`` unchanged where that does not apply (said once when it is turned on but cannot run)."""
         if not self.update_config.frozen_prefix or self.policy is None:
             return traj
@@ -288,7 +288,7 @@ class GRPOModule(pl.LightningModule):
     def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
         """No-grad log-probs [B, T] of ``rows`` (default: all) in micro-batches (update.batch_logprobs;
         LLDMonitor and LLDProbe use it)."""
-        return update.batch_logprobs(self, traj, reference=reference, rows=rows)
+        return train.batch_logprobs(self, traj, reference=reference, rows=rows)
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class GRPOModule(pl.LightningModule):
                 "SearchRollout callback to trainer.callbacks, see configs/demo.yaml)", traj)
         self.rollout_batch = None
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
-        result = update.train_on_rollout(self, traj, optimizer, self.lr_schedulers())
+        result = train.train_on_rollout(self, traj, optimizer, self.lr_schedulers())
         self.last_rollout = result.trajectory
         self._count_training_step()
         self.timings.update(result.timings)
@@ -314,7 +314,7 @@ class GRPOModule(pl.LightningModule):
         progress.increment_ready()
         progress.increment_completed()
 
-    def _log_step(self, result: update.RolloutUpdates) -> None:
+    def _log_step(self, result: train.RolloutUpdates) -> None:
         traj = result.trajectory
         n = len(traj)
         actions = traj.num_actions.float().clamp(min=1)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lldslight.data.example import QAExample
 from lldslight.errors import ArgumentParser, ConfigError, UserError
-from lldslight.logprobs import token_logprobs
+from lldslight.update.logprobs import token_logprobs
 from lldslight.policy.config import LoRAConfig, PolicyConfig
 from lldslight.policy.load import load_policy, save_merged
 from lldslight.policy.precision import model_arithmetic

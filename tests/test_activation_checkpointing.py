@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_policy_config
 from lldslight.policy.activation_checkpointing import activation_budget
-from lldslight.logprobs import token_logprobs
+from lldslight.update.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, load_policy
 
 LAYERS = 4

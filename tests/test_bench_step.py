@@ -171,7 +171,7 @@ def test_profiled_phases_are_on_the_libraries_code_path(step):
     phase fails here instead of dropping out of the profile: GRPOModule.prepare_rollout did)."""
     import inspect
 
-    from lldslight import update
+    from lldslight.update import train as update
 
     labels = load_benchmark("profiling").LABELS
     for module_name, path, name in step.LLDSLIGHT_LABELS:

@@ -1,7 +1,7 @@
 """``model.update.*`` and ``model.optim.*``: the groups GRPOModule takes whole, the flat keys they
 replaced (a user's gets one line naming its new place, before the model loads; a checkpoint's folds
 in silently), the shipped configs written with the groups, and the one learning-rate setter
-(lldslight/optim.py, lldslight/run/deprecated_keys.py).
+(lldslight/update/optim.py, lldslight/run/deprecated_keys.py).
 
 The new places a flat key is told to go are written out here by hand, not read from the table the
 code uses. The collapse lab's registered recipe is checked against its values written out by hand,
@@ -77,7 +77,7 @@ def test_the_lab_recipe_keeps_its_values_and_its_registered_command_line_names_t
     """lab/configs/constant.yaml and its arms, through the real CLI: the values of the recipe as
     registered (written out by hand here); the registration's ``-- --model.lr 5e-4`` now stops
     with one line naming ``model.optim.lr``, which sets the rate."""
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     monkeypatch.chdir(ROOT)
@@ -150,7 +150,7 @@ OLD_HPARAMS = {  # every hyper-parameter the flat GRPOModule saved (its signatur
 
 def test_an_old_checkpoints_flat_hyper_parameters_map_to_the_groups():
     from lldslight.run.deprecated_keys import nested
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     groups = nested(OLD_HPARAMS)
@@ -204,7 +204,7 @@ def test_checkpoints_an_earlier_lldslight_wrote_resume(tmp_path):
 
 
 def _warmed(lr: float, steps: int, warmup: int = 4):
-    from lldslight.optim import OptimConfig, build_optimizer
+    from lldslight.update.optim import OptimConfig, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     groups = [{"params": [params[0]]}, {"params": [params[1]]}]  # two parameter groups
@@ -219,7 +219,7 @@ def _warmed(lr: float, steps: int, warmup: int = 4):
 
 def test_set_learning_rate_continues_the_schedule_as_if_started_at_the_new_rate():
     """Against torch itself: a run that started at the new rate, at the same step."""
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
 
     optimizer, scheduler = _warmed(1e-2, steps=2)
     rates = set_learning_rate(optimizer, scheduler, 4e-3)
@@ -239,7 +239,7 @@ def test_set_learning_rate_continues_the_schedule_as_if_started_at_the_new_rate(
 
 def test_set_learning_rate_per_group_without_a_scheduler_and_bad_input():
     from lldslight.errors import ConfigError
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
 
     optimizer, scheduler = _warmed(1e-2, steps=5)
     assert set_learning_rate(optimizer, scheduler, [1e-3, 2e-3]) == pytest.approx([1e-3, 2e-3])  # past the warm-up: x 1
@@ -253,7 +253,7 @@ def test_set_learning_rate_per_group_without_a_scheduler_and_bad_input():
 
 def test_optim_config_checks_its_fields():
     from lldslight.errors import ConfigError
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
 
     assert OptimConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)  # YAML lists become tuples
     for field, bad, needle in (("lr", 0.0, "model.optim.lr must be > 0"), ("betas", (0.9,), "model.optim.betas must be two numbers"),
@@ -267,7 +267,7 @@ def test_optim_config_checks_its_fields():
 def test_the_configuration_page_documents_every_field_of_both_groups():
     import dataclasses
 
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     page = (ROOT / "docs" / "configuration.md").read_text()

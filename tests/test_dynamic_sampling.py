@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, tiny_policy_config
 from run_helpers import CountGenerate, SplitReward
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 G = 4
 BATCH = 2

@@ -12,11 +12,12 @@ import pytest
 import torch
 import yaml
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.callbacks import LLDS, GradientSpikeGuard, SearchRollout
 from lldslight.module import GRPOModule
 from lldslight.trajectory import Trajectory
-from lldslight.update import LossContext, Totals, mean_valid_searches
+from lldslight.update import LossContext
+from lldslight.update.train import Totals, mean_valid_searches
 from lldslight.update import UpdateConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch
 from test_docs import METRICS_PAGE, source_keys
 
 from lldslight.run import metric_rules as mr
-from lldslight.update import RolloutUpdates
+from lldslight.update.train import RolloutUpdates
 
 # key: (across ranks, over updates; None = logged once per step), by hand from docs/metrics.md
 EXPECTED = {
@@ -72,7 +72,7 @@ EXPECTED = {
     "sft/loss": ("mean", None),
 }
 
-# What the update's channels held before the table (update.py: RolloutUpdates.summed): the keys
+# What the update's channels held before the table (update/train.py: RolloutUpdates.summed): the keys
 # the module summed over ranks by channel rather than by name.
 SUMMED_CHANNEL = {"train/loss", "train/pg_loss", "train/kl", "train/clip_frac", "train/entropy", "train/ratio_max",
                   "train/nonfinite_tokens", "train/nonfinite_loss", "rollout/logp_mismatch", "rollout/logp_mismatch_kl",
@@ -150,7 +150,7 @@ def test_step_metrics_combine_updates_by_the_rules():
 
 
 def test_micro_batches_combine_by_the_rules():
-    from lldslight.update import _combine
+    from lldslight.update.train import _combine
 
     assert _combine(mr.reduction("train/ratio_max"), torch.tensor(2.0), torch.tensor(5.0)) == 5.0
     assert float(_combine(mr.reduction("train/loss"), torch.tensor(2.0), torch.tensor(5.0))) == 7.0

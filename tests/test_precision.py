@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from conftest import TINY_DIMS
-from lldslight import frozen_prefix, update
+from lldslight.update import frozen_prefix, train as update
 from lldslight.errors import ConfigError
-from lldslight.logprobs import ChunkedLogprob, token_logprobs
+from lldslight.update.logprobs import ChunkedLogprob, token_logprobs
 from lldslight.policy import Bf16Support, LoRAConfig, PolicyConfig, load_policy, resolve_precision, sampling_weights
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 from lldslight.update import UpdateConfig
 
 U16 = 2.0**-8
@@ -342,7 +342,7 @@ def test_on_policy_ratio_is_one_and_llds_zero(precision, bm25, protocol_examples
     """A real step (rollouts from the policy itself, 2 updates, LLDS on every update): on the
     on-policy mini-batch the ratio is exactly 1 and LLDS exactly 0, in bf16 as in fp32; the
     off-policy one moved (the test can tell)."""
-    from lldslight import objectives as obj
+    from lldslight.update import objectives as obj
     from lldslight.callbacks import LLDS
     from lldslight.module import GRPOModule
 

@@ -20,7 +20,7 @@ import torch
 from lldslight.policy import LoRAConfig, PolicyConfig, PolicyLoadError, load_policy, quantized_linears
 from run_helpers import KILL, TINY_RUN_HEAD
 from tests.conftest import ROOT, TINY_DIMS
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.50")
 KINDS = ["nf4", "int8"]
@@ -103,7 +103,7 @@ def test_sampler_follows_the_adapter_on_a_quantized_base(kind, bm25, protocol_ex
     """The sampled tokens' log-probs must be the trainer's (adapter on), not the base policy's.
     Folding the delta into bitsandbytes weights failed here: nf4 raised (packed shape), int8 rounded
     the delta away and sampled the base policy (log-probs 0.76 off the trainer's)."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
     from lldslight.rollout import RolloutConfig, RolloutEngine
 
     model, tok = qlora_policy(kind, adapter_std=0.3)
@@ -132,7 +132,7 @@ def test_gradients_through_quantized_layers_match_the_dequantized_base(kind):
     dequantized weights (transformers' dequantize) with the same adapter, also after an eval-mode
     forward (evaluation, monitoring): on an AVX512-BF16 CPU bitsandbytes would then switch a 4-bit
     layer for good to a bf16 kernel without autograd, and the adapters' gradients were 98% off."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
 
     model, _ = qlora_policy(kind, adapter_std=0.3)
     ref, _ = load_policy(qlora_config(kind), dequantize=True)
@@ -157,7 +157,7 @@ def test_gradients_through_quantized_layers_match_the_dequantized_base(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_update_moves_the_adapter_and_leaves_the_quantized_base(kind):
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
 
     model, _ = qlora_policy(kind)
     model.train()

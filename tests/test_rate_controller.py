@@ -269,7 +269,7 @@ def test_a_rate_set_on_resume_becomes_the_base(capsys):
     second, again = Run(), controller()
     second.restore(again, ckpt)
     # what GRPOModule.on_train_start does with --resume_override of model.optim.lr
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
     set_learning_rate(second.optimizer, second.scheduler, 2e-4)
     again.on_train_batch_start(second.trainer, second.module, None, 0)
     assert (again.base, again.scale, again.integral) == ([2e-4], 1.0, 0.0)

@@ -8,12 +8,12 @@ Gaussian policies; here the token-level estimate the update logs).
 
 Each training step, after the rollout batch's updates, it reads the batch's drift, the k3 estimate of
 KL(pi_old || pi_theta) on the last update's mini-batch before its step (``drift/kl_k3_last``,
-lldslight/update.py ``drift_shares``; reduced over ranks, so every rank decides alike), and sets the
+lldslight/update/train.py ``drift_shares``; reduced over ranks, so every rank decides alike), and sets the
 factor ``scale`` on the schedule's base rate ``base`` for the next rollout batch.
 
 **Batches without signal change nothing.** A rollout batch whose groups all tied (every advantage
 0), or whose drift was measured before any update with a non-zero gradient was applied, says nothing
-about the rate (``drift/signal`` = 0, lldslight/update.py ``drift_has_signal``): its KL is only the
+about the rate (``drift/signal`` = 0, lldslight/update/train.py ``drift_has_signal``): its KL is only the
 optimiser's momentum. Reading it as "room to move" raised the rate after every tied batch in the
 lab's registered controller set, and the next batch with signal was stopped early or cut back: a
 sawtooth. Such a batch leaves the rate and every state below unchanged and is counted
@@ -97,7 +97,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight.errors import ConfigError, require, require_choice
-from lldslight.optim import scheduler_of, set_learning_rate
+from lldslight.update.optim import scheduler_of, set_learning_rate
 
 RateRule = Literal["log_pi", "bang_bang"]
 SignalFree = Literal["hold", "react"]
@@ -276,7 +276,7 @@ class AdaptiveRate(pl.Callback):
         require(updates is None or updates >= 2, "model.update.updates_per_rollout", ">= 2 with AdaptiveRate", updates,
                 "the drift is measured before each update's step, so with one update per rollout batch it is 0 by "
                 "construction and says nothing about the rate (one update per batch is on-policy: no rate bound is needed)")
-        from lldslight.update import DRIFT_PER_UPDATE
+        from lldslight.update.train import DRIFT_PER_UPDATE
 
         known = sorted({*DRIFT_PER_UPDATE, *(f"{k}_last" for k in DRIFT_PER_UPDATE), SIGNAL, "drift/updates", "drift/stopped"})
         require(not self.metric.startswith("drift/") or self.metric in known, "AdaptiveRate.metric",

@@ -50,7 +50,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lldslight.run.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
 from lldslight.run.events import log_event
-from lldslight.optim import scheduler_of, set_learning_rate
+from lldslight.update.optim import scheduler_of, set_learning_rate
 
 
 def _held(step: int) -> float:

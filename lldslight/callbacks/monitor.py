@@ -249,7 +249,7 @@ def neg_shared_share(traj) -> tuple[float, float]:
     A > 0 row of their group (objectives.shared_prefix_negatives: the paper's LLD route, where an
     incorrect response's negative gradient lands on a correct one's identical first actions), out
     of all model tokens of A < 0 rows; a mean over ranks as the other lld/* keys."""
-    from lldslight.objectives import shared_prefix_negatives
+    from lldslight.update.objectives import shared_prefix_negatives
 
     shared = shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, traj.advantage)
     negative = traj.loss_mask & (traj.advantage < 0)[:, None]

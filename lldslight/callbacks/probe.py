@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.errors import ConfigError, require
 from lldslight.run.events import log_event
 

@@ -149,7 +149,7 @@ def compute(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, groups:
     """The hidden state entering layer ``start`` [B, T, H] of every row, computed in the
     micro-batches ``micro`` (row indices), each packed by its shared prefixes when ``groups`` is
     given and the model supports it. Zero at padding (no real token attends to a padding key)."""
-    from lldslight import shared_prefix
+    from lldslight.update import shared_prefix
     from lldslight.policy.distributed import through_root
     from lldslight.policy.precision import precision_autocast
 
@@ -183,7 +183,7 @@ def top_hidden(model: nn.Module, boundary: Tensor, start: int, input_ids: Tensor
     """The decoder's last hidden state from the stored ``boundary`` [b, T, H] (rows aligned with
     ``input_ids``), running layers ``start..N-1`` and the final norm: [N, H] over the packed
     sequence when ``layout`` is given, else [b, T, H]."""
-    from lldslight import shared_prefix
+    from lldslight.update import shared_prefix
 
     num_layers = len(_parts(model)[1])  # type: ignore[index]
     with layers_between(model, start) as decoder:
