@@ -25,7 +25,7 @@ from pathlib import Path
 from lldslight.errors import script_main
 from lldslight.run.writes import check_out_file
 from lldslight.errors import require
-from lldslight.evaluation import paired_change
+from lldslight.rollout.evaluation import paired_change
 
 if __package__:  # lab.demo_seeds: imported (tests), or run as python -m lab.demo_seeds
     from .demo_curve import archive, by_question_type, read_text

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import evaluation
+from lldslight.rollout import evaluation
 from lldslight.errors import require
 from lldslight.policy.activation_checkpointing import activation_budget
 from lldslight.policy.config import PolicyConfig
@@ -417,7 +417,7 @@ class GRPOModule(pl.LightningModule):
             restore_rng(self.rng_after_step)
         return batch
 
-    # -- evaluation (lldslight/evaluation.py) --------------------------------------------------------
+    # -- evaluation (lldslight/rollout/evaluation.py) --------------------------------------------------------
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step()

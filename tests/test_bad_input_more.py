@@ -149,7 +149,7 @@ def test_the_row_bound_by_hand():
     KV cache + 196,608 B of logits = 5,726,208 B a row; 1 GiB holds 187 rows, so 93 per prompt at 2 prompts."""
     from types import SimpleNamespace
 
-    from lldslight.bounds import ModelShape, check_rows
+    from lldslight.rollout.bounds import ModelShape, check_rows
     from lldslight.errors import ConfigError
 
     cfg = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,

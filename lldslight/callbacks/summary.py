@@ -12,7 +12,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
-from lldslight import evaluation
+from lldslight.rollout import evaluation
 
 
 def peak_rss_mb() -> float:
