@@ -36,7 +36,7 @@ MOVED_BY_HAND = {
 
 def _instantiate(args: list[str]):
     """The real CLI, built but not run (as tests/test_recipes.py does)."""
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lldslight.cli.lightning import TRAINER_DEFAULTS, _cli_class
 
     cli_cls, module_cls, datamodule_cls = _cli_class()
     return cli_cls(module_cls, datamodule_cls, args=args, run=False, trainer_defaults=TRAINER_DEFAULTS,
@@ -122,7 +122,7 @@ def test_flat_keys_in_a_config_file_are_one_line_naming_each_new_place(tmp_path,
 
 
 def test_a_flat_key_on_the_command_line_or_in_resume_override_is_one_line(tmp_path, capsys, monkeypatch):
-    from lldslight.cli import _override_keys
+    from lldslight.cli.resume import _override_keys
     from lldslight.errors import ConfigError
 
     monkeypatch.chdir(ROOT)
@@ -132,6 +132,45 @@ def test_a_flat_key_on_the_command_line_or_in_resume_override_is_one_line(tmp_pa
         _override_keys("model.optim.lr,model.grad_clip", {"optim.lr", "update.grad_clip"})
     assert str(refused.value) == _moved_line("--resume_override", "grad_clip")
     assert _override_keys("model.optim.lr,model.update.grad_clip", {"optim.lr", "update.grad_clip"}) == {"optim.lr", "update.grad_clip"}
+
+
+# -- class paths of modules that moved into folders -------------------------------------------------------------------
+
+# Where each class users name by class path lives now, by hand (docs/scaling_and_resume.md, a config's trainer.plugins).
+MOVED_LINE = "{old} is now {new}: write that (lldslight's modules moved into folders)"
+
+
+def test_a_class_path_of_a_moved_module_is_one_line_naming_the_new_place(tmp_path, capsys, monkeypatch):
+    """A config an earlier lldslight saved names its checkpoint writer at the old path, a command
+    line the FSDP2 strategy at its old one: one line each naming the new place, exit 2, before the
+    parse (jsonargparse's own error is every alternative of the Union)."""
+    monkeypatch.chdir(ROOT)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({"trainer": {"plugins": [{"class_path": "lldslight.checkpoint_io.AtomicCheckpointIO"}]}}))
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--config", str(saved)], capsys)
+    assert (code, err) == (2, [f"{saved}: trainer.plugins.class_path: " + MOVED_LINE.format(
+        old="lldslight.checkpoint_io.AtomicCheckpointIO", new="lldslight.run.checkpoint_io.AtomicCheckpointIO")])
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--trainer.strategy", "lldslight.distributed.FSDP2Strategy"], capsys)
+    assert (code, err) == (2, ["the command line: " + MOVED_LINE.format(
+        old="lldslight.distributed.FSDP2Strategy", new="lldslight.policy.distributed.FSDP2Strategy")])
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--config", "{trainer: {strategy: {class_path: lldslight.distributed.FSDP2Strategy}}}"], capsys)
+    assert code == 2 and len(err) == 1 and err[0].endswith("trainer.strategy.class_path: " + MOVED_LINE.format(
+        old="lldslight.distributed.FSDP2Strategy", new="lldslight.policy.distributed.FSDP2Strategy"))
+
+
+def test_the_moved_modules_table_names_modules_that_exist_where_the_old_ones_do_not():
+    import importlib
+    import importlib.util
+
+    from lldslight.policy.distributed import FSDP2Strategy
+    from lldslight.run.checkpoint_io import AtomicCheckpointIO
+    from lldslight.run.deprecated_keys import MOVED_MODULES
+
+    assert (FSDP2Strategy.__module__, AtomicCheckpointIO.__module__) == ("lldslight.policy.distributed", "lldslight.run.checkpoint_io")
+    assert len(MOVED_MODULES) == 21
+    for old, new in MOVED_MODULES.items():
+        assert importlib.util.find_spec(old) is None, old
+        assert importlib.import_module(new).__name__ == new
 
 
 # -- checkpoints an earlier lldslight wrote ---------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def test_readme_commands_and_yaml(tmp_path, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
 
     from lldslight.callbacks import LLDS, GradientSpikeGuard, LLDMonitor, SearchRollout
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 

@@ -180,7 +180,7 @@ def _instantiate(*configs: str):
     """The objects LightningCLI builds from ``configs`` (nothing runs)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 

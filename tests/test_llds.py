@@ -267,7 +267,7 @@ def test_registers_once_and_refuses_a_second_llds():
 def _instantiate(*configs: str):
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
 
     args = [a for c in configs for a in ("--config", str(REPO / "configs" / c))]  # an absolute c stays as it is

@@ -20,7 +20,7 @@ EXPECTED = {
 
 def _instantiate(args: list[str]):
     """The recipe through the real CLI, built but not run (what `lldslight fit` would construct)."""
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lldslight.cli.lightning import TRAINER_DEFAULTS, _cli_class
 
     cli_cls, module_cls, datamodule_cls = _cli_class()
     return cli_cls(

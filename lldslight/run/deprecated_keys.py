@@ -4,16 +4,20 @@ Each now lives in a group under the same name: ``model.optim.<key>`` (optim.Opti
 
 This table is the one place that knows the old keys. It has two readers:
 
-- a user's config file, command line or ``--resume_override`` that still names one: lldslight/cli.py
+- a user's config file, command line or ``--resume_override`` that still names one: lldslight/cli/checks.py
   stops before the model loads, with one line naming the key's new place (:func:`moved`);
 - the hyper-parameters of a checkpoint an earlier lldslight wrote (before the groups, or after them
   with every flat key saved as null): a resume reads them through :func:`nested`, which folds the
   old keys into their groups silently (the user did not write them).
+
+It also knows the modules that moved when the package was grouped into folders (lldslight.distributed
+is now lldslight.policy.distributed): a class path in a user's config or command line that names an
+old module gets one line naming the new one (:func:`moved_class_path`), before the parse.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 # The flat keys of the release before the groups, frozen: a field added to a group later has only
 # its group's key. Each moved to the group of the same field name: the first six to OptimConfig's
@@ -67,3 +71,26 @@ def _as_mapping(value: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
     return dict(value)
+
+
+# The modules of the flat package that moved into folders, frozen: old dotted path -> new. A user
+# names them in class paths (trainer.strategy: lldslight.distributed.FSDP2Strategy; a config saved
+# by an earlier lldslight holds trainer.plugins: lldslight.checkpoint_io.AtomicCheckpointIO).
+MOVED_MODULES = {
+    **{f"lldslight.{name}": f"lldslight.run.{name}" for name in (
+        "checkpoint_io", "config_files", "deprecated_keys", "events", "hostmem", "metric_rules", "run_dir", "stopping", "writes")},
+    **{f"lldslight.{name}": f"lldslight.policy.{name}" for name in (
+        "activation_checkpointing", "distributed", "export", "lora_forward")},
+    **{f"lldslight.{name}": f"lldslight.update.{name}" for name in (
+        "frozen_prefix", "logprobs", "objectives", "optim", "shared_prefix")},
+    **{f"lldslight.{name}": f"lldslight.rollout.{name}" for name in ("bounds", "dynamic_sampling", "evaluation")},
+}
+
+
+def moved_class_path(path: str) -> Optional[str]:
+    """The one line for a class path that names a moved module (``lldslight.distributed.FSDP2Strategy
+    is now lldslight.policy.distributed.FSDP2Strategy: ...``), None for any other."""
+    module, _, name = path.rpartition(".")
+    if module not in MOVED_MODULES or not name:
+        return None
+    return f"{path} is now {MOVED_MODULES[module]}.{name}: write that (lldslight's modules moved into folders)"
