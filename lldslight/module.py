@@ -1,6 +1,6 @@
 """GRPOModule: the policy and its frozen reference, orchestrated for GRPO (docs/architecture.md, One training step).
 
-This file sets up the models, the optimiser (optim.py) and the checkpoint state, and logs; the updates
+This file sets up the models, the optimiser (update/optim.py) and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
 optimiser step) read top to bottom in update/train.py, and the formulas live in update/objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
