@@ -10,9 +10,6 @@ import sys
 from typing import Any, Optional
 
 
-# -- resume: what the checkpoint's settings changed ----------------------------------------------
-
-
 def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys -> values of a nested mapping; a mapping on one side and not the other (a LoRA
     config vs null) is compared whole, at its own key."""

@@ -134,8 +134,7 @@ class PolicyConfig:
                 self.lora, "quantized base weights cannot be trained, QLoRA trains a LoRA adapter on top of them")
 
 
-# -- precision (docs/precision.md) ------------------------------------------------------------------
-
+# -- policy.precision as written (docs/precision.md; what it resolves to: precision.py) ---------------
 
 
 def _configured_precision(cfg: "PolicyConfig") -> str:
