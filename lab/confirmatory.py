@@ -715,6 +715,35 @@ def b_signals(train) -> dict:
     return out
 
 
+def prevention_claims(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple], words: dict[str, str], horizon: int,
+                      horizon_ok: bool) -> dict[str, dict]:
+    """The real-model stages' primary family: per arm of ``words`` (arm -> its name in the verdict), the
+    one-sided exact test that it collapses less than "grpo", Holm over the family at ALPHA, and the
+    registered verdict words (C1's horizon rule decides "prevented")."""
+    seeds = sorted(outcomes["grpo"])
+    tests = {arm: primary(outcomes, kinds, treated=arm) for arm in words}
+    claims = {}
+    for (arm, test), p_holm in zip(tests.items(), C.holm([t["p"] for t in tests.values()])):
+        passes = p_holm <= ALPHA
+        verdict = (f"{words[arm]} prevented the collapse within {horizon} steps" if passes and horizon_ok
+                   else f"fewer runs collapsed within {horizon} steps with {words[arm]} (the horizon rule did not hold)" if passes
+                   else "not supported: the primary test did not pass (Holm)")
+        claims[arm] = {**test, "p_holm": p_holm, "passes": passes, "verdict": verdict,
+                       "collapsed": sum(outcomes[arm][s]["collapsed"] for s in seeds)}
+    return claims
+
+
+def paired_secondaries(treated: dict[int, dict], control: dict[int, dict], seeds, horizon: int) -> dict:
+    """The real-model stages' paired secondaries, treated minus control: the RMST difference to the
+    horizon (2,000-resample paired bootstrap) and the final-window reward's mean difference with its 95%
+    t interval and two-sided exact paired permutation p."""
+    return {"rmst_difference": C.rmst_difference([(control[s]["time"], control[s]["collapsed"]) for s in seeds],
+                                                 [(treated[s]["time"], treated[s]["collapsed"]) for s in seeds], horizon, n_boot=2000),
+            "final_reward": paired_difference(treated, control, seeds) | {"permutation_p": C.paired_permutation(
+                [control[s]["final_reward"] or 0.0 for s in seeds], [treated[s]["final_reward"] or 0.0 for s in seeds],
+                alternative="two-sided")["p"]}}
+
+
 def b_analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> dict:
     """Stage B's registered tests on complete outcomes (arm -> seed -> outcome): P1 (llds) and P2
     (stable) against grpo, Holm over the two at 0.05, C1's horizon rule; the secondaries."""
@@ -722,23 +751,9 @@ def b_analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> 
     g = outcomes["grpo"]
     grpo_median = statistics.median(g[s]["time"] for s in seeds)
     horizon_ok = grpo_median <= B_HORIZON / 2
-    tests = {arm: primary(outcomes, kinds, treated=arm) for arm in ("llds", "stable")}
-    adjusted = C.holm([tests[a]["p"] for a in tests])
-    claims = {}
-    for (arm, test), p_holm in zip(tests.items(), adjusted):
-        passes = p_holm <= ALPHA
-        words = {"llds": "LLDS", "stable": "the drift bound"}[arm]
-        verdict = (f"{words} prevented the collapse within {B_HORIZON} steps" if passes and horizon_ok
-                   else f"fewer runs collapsed within {B_HORIZON} steps with {words} (the horizon rule did not hold)" if passes
-                   else "not supported: the primary test did not pass (Holm)")
-        o = outcomes[arm]
-        claims[arm] = {**test, "p_holm": p_holm, "passes": passes, "verdict": verdict,
-                       "collapsed": sum(o[s]["collapsed"] for s in seeds),
-                       "rmst_difference": C.rmst_difference([(g[s]["time"], g[s]["collapsed"]) for s in seeds],
-                                                            [(o[s]["time"], o[s]["collapsed"]) for s in seeds], B_HORIZON, n_boot=2000),
-                       "final_reward": paired_difference(o, g, seeds)
-                       | {"permutation_p": C.paired_permutation([g[s]["final_reward"] or 0.0 for s in seeds],
-                                                                [o[s]["final_reward"] or 0.0 for s in seeds], alternative="two-sided")["p"]}}
+    claims = prevention_claims(outcomes, kinds, {"llds": "LLDS", "stable": "the drift bound"}, B_HORIZON, horizon_ok)
+    for arm, claim in claims.items():
+        claim |= paired_secondaries(outcomes[arm], g, seeds, B_HORIZON)
     means = {arm: {k: statistics.fmean(outcomes[arm][s][k] or 0.0 for s in seeds) for k in ("final_reward", "final_answered", "final_tool_call")}
              for arm in B_ARMS}
     return {"seeds": seeds, "horizon": B_HORIZON, "hold": HOLD, "rate": B_RATE, "alpha": ALPHA, "family": "Holm over P1, P2",

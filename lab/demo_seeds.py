@@ -34,7 +34,8 @@ else:  # python lab/demo_seeds.py: the script's own folder is on sys.path
 
 # Two-sided 95% quantiles of Student's t (tables); the plan has 4 seeds (df 3). Written out
 # because scipy is not a dependency.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,
+        12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131}  # Student t, two-sided 95%, by degrees of freedom
 ARM = re.compile(r"n(\d+)_seed(\d+)")
 # Each plan's verdict rule (lab/archive/demo/PLAN_*.md), as its report prints it.
 RULES = {"primary": "seed 0 and >= 2 more pass", "majority": "most seeds pass", "shipped": "seed 0 passes and >= 2 seeds in all do"}

@@ -18,7 +18,7 @@ def test_monitor_logs_lld_columns_each_step(run) -> None:
     frame = pd.read_csv(run["run_dir"] / "metrics.csv").groupby("step").first()
     assert len(frame) == 2
     for column in ("lld/logp_pos", "lld/logp_neg", "lld/logp_zero", "lld/ref_logp_pos", "lld/ref_logp_neg",
-                   "lld/logp_first_action", "lld/logp_later_actions", "lld/delta_correct", "lld/phase", "lld/warning"):
+                   "lld/logp_first_action", "lld/logp_later_actions", "lld/delta_correct", "lld/delta_incorrect", "lld/phase", "lld/warning"):
         assert column in frame.columns, column
     # The alternating reward splits groups, so both advantage sets hold real (negative) log-probs.
     assert (frame["lld/logp_pos"] < 0).all() and (frame["lld/logp_neg"] < 0).all()
@@ -45,6 +45,16 @@ def test_delta_matches_a_fresh_forward(run) -> None:
         after = module.batch_logprobs(sub, reference=False)
     expected = diag.finish(diag.likelihood_delta(sub.old_logp, after, sub.loss_mask))
     assert monitor.last_metrics["lld/delta_correct"] == pytest.approx(expected, abs=1e-5)
+    # lld/delta_incorrect: the same over the A < 0 rows, selected here by hand from the advantages.
+    neg = [i for i, a in enumerate(traj.advantage.tolist()) if a < 0]
+    assert neg, "no A < 0 row: the check would be vacuous"
+    wrong = traj.select(neg)
+    with torch.no_grad():
+        after_wrong = module.batch_logprobs(wrong, reference=False)
+    m = wrong.loss_mask.bool()
+    by_hand = float((after_wrong - wrong.old_logp)[m].sum() / m.sum())
+    assert monitor.last_metrics["lld/delta_incorrect"] == pytest.approx(by_hand, abs=1e-5)
+    assert monitor.last_metrics["lld/delta_incorrect"] != pytest.approx(monitor.last_metrics["lld/delta_correct"], abs=1e-6)
     pos_tokens = traj.loss_mask & (traj.advantage > 0).unsqueeze(-1)
     assert monitor.last_metrics["lld/logp_pos"] == pytest.approx(diag.token_mean(traj.old_logp, pos_tokens))
 

@@ -10,6 +10,9 @@ the gradient norm lead it. After every training step this callback logs, under `
 - lld/delta_correct: per-token mean of (log-prob after the step's updates - log-prob before) on
   the step's own correct responses (``correct_set``), measured by one extra no-grad forward over
   those rows only, in micro-batches. Negative = LLD observed directly;
+- lld/delta_incorrect: the same on the step's incorrect responses (A < 0; reward <= 0 under
+  ``correct_set: reward``), from the same forward widened to those rows: how hard the step pushed
+  the wrong answers down, beside how much of that push reached the right ones;
 - lld/gate_open_actions, lld/gate_open_responses (``measure_gate``): over the preserving set
   (responses with A >= 0, the set LLDS protects), the share of actions / responses whose summed
   log-likelihood fell during the step (sum of log pi_old - log pi_after > 0): how often the LLDS
@@ -50,7 +53,8 @@ class LLDMonitor(pl.Callback):
     """Logs likelihood-displacement diagnostics each step and raises an early warning.
 
     Args:
-        measure_delta: run the extra no-grad forward that measures lld/delta_correct.
+        measure_delta: run the extra no-grad forward that measures lld/delta_correct and
+            lld/delta_incorrect.
         measure_gate: measure lld/gate_open_* on the A >= 0 rows (widens that forward to them).
         correct_set: which responses Delta is measured on: "positive_advantage" (A > 0, the ones
             GRPO pushes up; default) or "reward" (reward > 0, all-correct groups included).
@@ -146,11 +150,12 @@ class LLDMonitor(pl.Callback):
             self._warn(trainer, step, update)
 
     def _after_step(self, trainer, pl_module, traj) -> dict[str, diag.SumCount]:
-        """lld/delta_correct and lld/gate_open_*: one no-grad forward with the updated weights over
-        the rows they need (correct rows, and the A >= 0 rows for the gate)."""
+        """lld/delta_correct, lld/delta_incorrect and lld/gate_open_*: one no-grad forward with the
+        updated weights over the rows they need (correct and incorrect rows, the A >= 0 rows for the gate)."""
         correct = set(diag.correct_rows(traj.advantage, traj.reward, self.correct_set).tolist()) if self.measure_delta else set()
+        incorrect = set(diag.incorrect_rows(traj.advantage, traj.reward, self.correct_set).tolist()) if self.measure_delta else set()
         preserving = set((traj.advantage >= 0).nonzero()[:, 0].tolist()) if self.measure_gate else set()
-        rows = sorted(correct | preserving)
+        rows = sorted(correct | incorrect | preserving)
         n = len(rows)
         if trainer.world_size > 1:
             # Sharded models need every rank in every forward: all ranks run the same number of
@@ -160,7 +165,7 @@ class LLDMonitor(pl.Callback):
         out: dict[str, diag.SumCount] = {}
         if not rows:
             if self.measure_delta:
-                out["lld/delta_correct"] = (0.0, 0.0)
+                out.update({k: (0.0, 0.0) for k in ("lld/delta_correct", "lld/delta_incorrect")})
             if self.measure_gate:
                 out.update({k: (0.0, 0.0) for k in ("lld/gate_open_actions", "lld/gate_open_responses")})
             return out
@@ -173,6 +178,7 @@ class LLDMonitor(pl.Callback):
 
         if self.measure_delta:
             out["lld/delta_correct"] = diag.likelihood_delta(sub.old_logp, after, tokens_of(correct))
+            out["lld/delta_incorrect"] = diag.likelihood_delta(sub.old_logp, after, tokens_of(incorrect))
         if self.measure_gate:
             out.update(diag.gate_open_stats(sub.old_logp, after, tokens_of(preserving), sub.action_id))
         return out

@@ -98,6 +98,16 @@ def correct_rows(advantage: Tensor, reward: Tensor, rule: CorrectSet = "positive
     return keep.nonzero(as_tuple=True)[0]
 
 
+def incorrect_rows(advantage: Tensor, reward: Tensor, rule: CorrectSet = "positive_advantage") -> Tensor:
+    """Row indices of the responses ``lld/delta_incorrect`` is measured on: the mirror of
+    :func:`correct_rows`. "positive_advantage": A < 0, the responses GRPO pushes down; "reward":
+    reward <= 0. Their Delta says how hard the negative gradient pushed; the paper's displacement is
+    that push spilling onto the correct rows (``lld/delta_correct`` < 0)."""
+    require_choice(rule, "correct-set rule (LLDMonitor.correct_set)", CorrectSet)
+    keep = advantage < 0 if rule == "positive_advantage" else reward <= 0
+    return keep.nonzero(as_tuple=True)[0]
+
+
 def likelihood_delta(before: Tensor, after: Tensor, mask: Tensor) -> SumCount:
     """(sum, count) of after - before over ``mask``: the per-token change of log-likelihood that a
     training step caused on the same tokens (negative = the likelihood fell)."""

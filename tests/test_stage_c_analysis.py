@@ -1,0 +1,163 @@
+"""lab/stage_c.py, the registered Stage C analysis, on a stand-in set built from Stage A's archived real-model
+runs (GRPO at 2e-3 died at step 19 in every seed; 5e-4 held): each figure checked against a computation
+written here from the raw CSV, the hypergeometric sum and the signed-rank distribution enumerated by hand."""
+from __future__ import annotations
+
+import csv
+import gzip
+import itertools
+import json
+import math
+import statistics
+from math import comb
+from pathlib import Path
+
+import pytest
+
+from lab import stage_c
+
+ROOT = Path(__file__).resolve().parents[1]
+A = ROOT / "lab" / "archive" / "collapse" / "real_lm_A"
+# role -> the Stage A arm standing in for it: the control dies, two arms hold
+STAND_IN = {"grpo": "grpo_2e-3", "llds": "grpo_5e-4", "preset": "grpo_5e-4", "best": "grpo_1e-3"}
+
+
+def source_seed(seed: int) -> int:
+    return 1 + (seed - 20) % 3  # seeds 20-31 cycle over Stage A's 1-3
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lab")
+    meta_a = json.loads((A / "collapse.json").read_text())["meta"]
+    runs = {}
+    for role, (_, folder) in stage_c.ROLES.items():
+        for seed in stage_c.SEEDS:
+            run = root / stage_c.NAME / folder / f"seed{seed}"
+            run.mkdir(parents=True)
+            (run / "metrics.csv.gz").symlink_to(A / STAND_IN[role] / f"seed{source_seed(seed)}" / "metrics.csv.gz")
+            runs[f"{folder}/seed{seed}"] = meta_a["runs"][f"{STAND_IN[role]}/seed{source_seed(seed)}"]
+    (root / stage_c.NAME / "collapse.json").write_text(json.dumps({"meta": {"horizon": 80, "runs": runs}}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def rep(lab) -> dict:
+    return stage_c.report(lab)
+
+
+def raw(seed: int, arm: str) -> dict[int, dict[str, float]]:
+    """step -> {key: value} straight from the archived CSV (first non-empty value of each key per step)."""
+    rows: dict[int, dict[str, float]] = {}
+    with gzip.open(A / arm / f"seed{seed}" / "metrics.csv.gz", "rt", newline="") as f:
+        for r in csv.DictReader(f):
+            if not r.get("step"):
+                continue
+            into = rows.setdefault(int(float(r["step"])), {})
+            for k, v in r.items():
+                if k != "step" and v not in ("", None) and k not in into:
+                    into[k] = float(v)
+    return {s: r for s, r in rows.items() if "train/reward" in r}
+
+
+def fisher_by_hand(a: int, n: int, b: int) -> float:
+    """P(the arm collapses <= b times | margins), the one-sided hypergeometric tail (a of n control collapses)."""
+    total = a + b
+    return sum(comb(n, k) * comb(n, total - k) for k in range(0, b + 1) if 0 <= total - k <= n) / comb(2 * n, total)
+
+
+def signed_rank_p(values: list[float]) -> float:
+    """Exact one-sided p of W+ (sum of the ranks of the positive values) by enumerating every sign pattern."""
+    kept = [v for v in values if v != 0]
+    order = sorted(range(len(kept)), key=lambda i: abs(kept[i]))
+    ranks = [0.0] * len(kept)
+    i = 0
+    while i < len(order):  # average ranks over ties of |v|
+        j = i
+        while j + 1 < len(order) and abs(kept[order[j + 1]]) == abs(kept[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    observed = sum(r for r, v in zip(ranks, kept) if v > 0)
+    hits = sum(sum(r for r, s in zip(ranks, signs) if s) >= observed - 1e-9 for signs in itertools.product((0, 1), repeat=len(kept)))
+    return hits / 2 ** len(kept)
+
+
+def test_partial_set_reports_counts_only(tmp_path) -> None:
+    (tmp_path / stage_c.NAME / "grpo_2e-3" / "seed20").mkdir(parents=True)
+    rep = stage_c.report(tmp_path)
+    assert rep["status"] == "partial" and "p3" not in rep and "claims" not in rep
+    assert rep["counts"]["grpo"] == {"archived": 0, "registered": 12} and len(rep["missing"]) == 48
+
+
+def test_complete_set_tests_as_registered(rep) -> None:
+    assert rep["status"] == "complete" and rep["horizon"] == 80 and rep["hold"] == 30
+    # GRPO at 2e-3 died in all of Stage A's seeds (step 19); 5e-4 held in all
+    assert rep["collapsed"]["grpo"] == 12 and rep["collapsed"]["llds"] == 0 and rep["collapsed"]["preset"] == 0
+    assert rep["grpo_median_time"] <= 40 and rep["horizon_rule_holds"]
+    for role in ("llds", "preset"):
+        c = rep["claims"][role]
+        assert c["p"] == pytest.approx(fisher_by_hand(12, 12, c["collapsed"]), rel=1e-12)
+    p_sorted = sorted(rep["claims"][r]["p"] for r in ("llds", "preset"))
+    assert rep["claims"]["llds"]["p_holm"] == pytest.approx(min(1.0, max(2 * p_sorted[0], p_sorted[1])))
+    assert rep["claims"]["llds"]["verdict"] == "LLDS prevented the collapse within 80 steps"
+    # P3: d from the raw CSVs (steps 60-79), then the exact signed-rank p enumerated over 2^12 sign patterns
+    d = []
+    for seed in stage_c.SEEDS:
+        pre, best = raw(source_seed(seed), STAND_IN["preset"]), raw(source_seed(seed), STAND_IN["best"])
+        d.append(statistics.fmean(pre[s]["train/reward"] for s in range(60, 80)) -
+                 statistics.fmean(best[s]["train/reward"] for s in range(60, 80)))
+    assert [rep["p3_differences"][s] for s in stage_c.SEEDS] == pytest.approx(d, abs=1e-9)
+    assert rep["p3"]["p"] == pytest.approx(signed_rank_p([x + stage_c.MARGIN for x in d]), abs=1e-12)
+    assert rep["p3"]["passes"] == (rep["p3"]["p"] <= 0.05)
+
+
+def test_signals_before_each_death_from_the_raw_csv(rep) -> None:
+    run = next(r for r in rep["runs"] if r["role"] == "grpo" and r["seed"] == 20)
+    assert run["collapsed"] and run["time"] == 19
+    rows = raw(1, "grpo_2e-3")
+    # the death: the first step of the zero-reward run that holds step 19, found here by scanning forward
+    death = next(s for s in range(20) if all(rows[t]["train/reward"] == 0 for t in range(s, 20)))
+    assert run["death_step"] == death == 6
+    window = range(max(0, death - 10), death)
+    before = run["signals_before"]
+
+    def finite_mean(values):
+        values = [v for v in values if not math.isnan(v)]
+        return statistics.fmean(values) if values else None
+
+    for key in ("lld/delta_correct", "drift/kl_k3_last", "train/entropy", "train/answered_rate", "diag/tool_call_rate"):
+        assert before[key] == pytest.approx(finite_mean(rows[s][key] for s in window if key in rows[s]), abs=1e-9), key
+        assert run["signals_first10"][key] == pytest.approx(finite_mean(rows[s][key] for s in range(10) if key in rows[s]), abs=1e-9)
+    assert before["lld/delta_incorrect"] is None  # Stage A did not log it: absent, not zero
+    step, value = before["most_negative_delta_correct"]
+    assert value == min(v for s in window if not math.isnan(v := rows[s]["lld/delta_correct"])) and rows[step]["lld/delta_correct"] == value
+    step, value = before["largest_drift"]
+    assert value == max(rows[s]["drift/kl_k3_last"] for s in window)
+    held = next(r for r in rep["runs"] if r["role"] == "preset")
+    assert held["signals_before"] is None and held["alarm_false"] == len(held["alarm_firings"])
+
+
+def test_text_and_json(rep, tmp_path, capsys) -> None:
+    printed = stage_c.text(rep)
+    assert "P1 (llds vs grpo" in printed and "P3 (preset - best" in printed and "Signals over the 10 steps before each death" in printed
+    assert "| grpo | 20 | yes | 19 |" in printed and "| 19 (6) |" in printed
+    with pytest.raises(SystemExit, match="no Stage C archive yet"):
+        stage_c.main(["--lab", str(tmp_path / "nowhere")])
+    (tmp_path / stage_c.NAME).mkdir()
+    assert stage_c.main(["--lab", str(tmp_path)]) == 0
+    assert "partial: no test computed" in capsys.readouterr().out
+    assert json.loads((tmp_path / stage_c.NAME / "stage_c.json").read_text())["status"] == "partial"
+
+
+
+def test_t_table_matches_scipy() -> None:
+    """The 95% t quantiles the lab's intervals use (Stage C's 11 df among them), against scipy's."""
+    from scipy.stats import t
+
+    from lab.demo_seeds import T975
+
+    assert set(T975) >= set(range(1, 12))
+    for df, q in T975.items():
+        assert q == pytest.approx(float(t.ppf(0.975, df)), abs=6e-4), df
