@@ -36,7 +36,7 @@ from typing import Optional
 from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
 from lldslight.science.alarm import AlarmConfig, replay_alarm
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 
 if __package__:  # lab.stage_c: imported (tests), or run as python -m lab.stage_c
     from .confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
