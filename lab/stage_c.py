@@ -39,9 +39,11 @@ from lldslight.science.alarm import AlarmConfig, replay_alarm
 from lldslight.run.writes import check_out_file
 
 if __package__:  # lab.stage_c: imported (tests), or run as python -m lab.stage_c
-    from .confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
+    from .confirmatory import (ALPHA, HOLD, LAB, collect, final_rates, kind_label, pairs_across_machines, paired_secondaries,
+                               prevention_claims, shown)
 else:  # python lab/stage_c.py: the script's own folder is on sys.path
-    from confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
+    from confirmatory import (ALPHA, HOLD, LAB, collect, final_rates, kind_label, pairs_across_machines, paired_secondaries,
+                              prevention_claims, shown)
 
 NAME = "real_lm_C"
 SEEDS = tuple(range(20, 32))
@@ -88,13 +90,12 @@ def death_step(steps: list[int], reward: list[float], collapse: int) -> int:
     return death
 
 
-def signals(train) -> dict:
+def signals(train, outcome: dict) -> dict:
     """One run's descriptive figures (the registration's "paper's signals before each death"): its
     collapse step under the registered rule; the first 10 steps' and, if it collapsed, the 10 steps
     before its death step's (``death_step``) mean of each signal, with the steps of the most negative Delta correct
     and of the largest drift there; the first lld/warning; the replayed alarm's firings."""
-    summary = C.summarise(train, C.CollapseCriteria(hold=HOLD), final_window=FINAL)
-    time, collapsed = C.time_to_collapse(summary, HORIZON)
+    time, collapsed = outcome["time"], outcome["collapsed"]  # collect's run_outcome under the registered rule
     steps = [int(s) for s in train.index]
     cols = {key: C.column(train, key) or [math.nan] * len(steps) for key in SIGNALS}
     first = {key: _mean(cols[key][:BEFORE]) for key in SIGNALS}
@@ -153,15 +154,9 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> di
             "p3_differences": dict(zip(seeds, d)), "secondary": secondary, "last20_means": means}
 
 
-def final_rates(train) -> dict:
-    n = len(train)
-    return {f"final_{name}": C.mean_over(C.column(train, key), n - FINAL, n)
-            for key, name in (("train/answered_rate", "answered"), ("diag/tool_call_rate", "tool_call"))}
-
-
 def report(lab: Path = LAB) -> dict:
     """Stage C from its archive: counts only while a registered run is missing; complete, the analysis."""
-    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t: {**final_rates(t), **signals(t)},
+    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t, o: {**final_rates(t, FINAL), **signals(t, o)},
                                               horizon=HORIZON, final_window=FINAL)
     meta = metas.get(NAME) or {}
     if meta and meta.get("horizon") not in (None, HORIZON):
