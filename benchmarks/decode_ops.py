@@ -12,11 +12,11 @@ The first two changes (2026-12-02), both exact (the same tensors come out):
   (lldslight/rollout/cache.py): on this CPU torch 2.13's bf16 ``scatter_`` is far slower than
   fp32's at the decode shape;
 - under ``bf16-mixed`` peft no longer casts each adapted layer's input to fp32 (autocast casts it
-  straight back at the adapter's matmul; lldslight/policy.py sets peft's ``cast_input_dtype_enabled``
+  straight back at the adapter's matmul; lldslight/policy/load.py sets peft's ``cast_input_dtype_enabled``
   off).
 
 The third (2026-12-05), exact too: while sampling, each LoRA Linear runs peft's operations without
-peft's per-call bookkeeping (lldslight/lora_forward.py).
+peft's per-call bookkeeping (lldslight/policy/lora_forward.py).
 
 "compiled" is the library with ``rollout.compile_decode: on`` (lldslight/rollout/compiled.py: the
 decode step through torch.compile); its warm-up step's wall time, which includes the compilation,
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from lldslight import lora_forward
+    from lldslight.policy import lora_forward
     from lldslight.policy import LoRAConfig, PolicyConfig, cpu_description, load_policy, sampling_weights
     from lldslight.rollout import CompiledDecode, Decoder
 

@@ -45,7 +45,7 @@ run() {  # name, lora (null or {r: 16, alpha: 32}), lr
 trainer:
   accelerator: $ACCELERATOR
   devices: $GPUS
-  strategy: {class_path: lldslight.distributed.FSDP2Strategy}
+  strategy: {class_path: lldslight.policy.distributed.FSDP2Strategy}
   max_steps: $STEPS
   enable_progress_bar: false
   logger: {class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: $OUT, name: $name}}
@@ -81,5 +81,5 @@ run full-ft null 1.0e-6
 run lora "{r: 16, alpha: 32}" 1.0e-5
 
 echo
-echo "FSDP2 (lldslight.distributed.FSDP2Strategy), random-init model $DIMS, $PROMPTS prompts x G=5 per GPU, compute $PARAM_DTYPE"
+echo "FSDP2 (lldslight.policy.distributed.FSDP2Strategy), random-init model $DIMS, $PROMPTS prompts x G=5 per GPU, compute $PARAM_DTYPE"
 "$PY" benchmarks/fsdp_probe.py report "$OUT/full-ft" "$OUT/lora"

@@ -55,7 +55,7 @@ import lightning.pytorch as pl
 from lldslight.callbacks.rollout import SearchRollout
 from lldslight.data.example import QAExample, make_prompt
 from lldslight.module import GRPOModule
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 from lldslight.update import UpdateConfig
 from lldslight.policy import LoRAConfig, PolicyConfig
 from lldslight.retrieval.base import Passage

@@ -1,5 +1,5 @@
 """What a step of the real-model lab costs, with the frozen bottom layers computed once per rollout
-batch (``model.update.frozen_prefix``, lldslight/frozen_prefix.py) and without.
+batch (``model.update.frozen_prefix``, lldslight/update/frozen_prefix.py) and without.
 
     python benchmarks/lab_step.py --json benchmarks/results/lab_step.json     # 2 rounds, 1 thread
     python benchmarks/lab_step.py --threads 2 --rounds 3 --steps 6

@@ -55,14 +55,14 @@ flagged busy and repeated (``--no-repeat`` keeps it). Reported per side: medians
 lldslight runs twice per round: "lldslight" checkpoints every decoder layer, as TRL does (the like-
 for-like figure, ``step_time_ratio``), and "lldslight-auto" runs with ``gradient_checkpointing:
 auto`` (layers keep their activations while they fit in ``--activation-budget-mb``;
-lldslight/activation_checkpointing.py), which trades that much memory for less recompute
+lldslight/policy/activation_checkpointing.py), which trades that much memory for less recompute
 (``step_time_ratio_auto``). ``--lldslight-checkpointing on`` runs the first only. Both encode a
-group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/shared_prefix.py);
+group's shared prompt once in the update (``model.shared_prefix``, the default; lldslight/update/shared_prefix.py);
 with ``--shared-prefix both`` (the default) a third run, "lldslight-unshared", checkpoints every layer
 and encodes every row in full (``shared_prefix: false``): ``step_time_ratio_unshared`` against TRL,
 and ``shared_prefix_ratio`` (lldslight / lldslight-unshared, step and phases) says what the sharing
 saves. ``--shared-prefix off`` runs the first two with it off. lldslight's workers run with the malloc
-tunables the ``lldslight`` command sets for itself (lldslight/hostmem.py); TRL's with glibc's
+tunables the ``lldslight`` command sets for itself (lldslight/run/hostmem.py); TRL's with glibc's
 defaults, or with the same tunables under ``--malloc same`` (a like-for-like allocator check).
 
 Also per side: memory (peak RSS of the process; and, from the idle process after the warm-up
@@ -266,7 +266,7 @@ def work_of(prompt_len, completion_len) -> dict:
 def module_groups(spec: dict) -> dict:
     """lldslight's side as GRPOModule's argument groups (policy, update, optim): one learning-rate
     step with micro-batches of ``micro_batch`` rows, no entropy term, the KL pass when beta > 0."""
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.policy import LoRAConfig, PolicyConfig
     from lldslight.update import UpdateConfig
 
@@ -418,13 +418,13 @@ def worker_lldslight(spec: dict) -> dict:
 
 
 # The phases of lldslight's step that --profile labels, on the code path a training step takes
-# (SearchRollout -> RolloutEngine.generate; GRPOModule.training_step -> update.train_on_rollout,
-# whose first part, update.prepare, computes the advantages and pi_old's and the reference's
+# (SearchRollout -> RolloutEngine.generate; GRPOModule.training_step -> update.train.train_on_rollout,
+# whose first part, update.train.prepare, computes the advantages and pi_old's and the reference's
 # log-probs). The worker labels training_step ("update") and manual_backward ("backward") itself.
 # As (module, attribute path, label); tests/test_bench_step.py checks every target exists.
 LLDSLIGHT_LABELS = (
     ("lldslight.rollout", "RolloutEngine.generate", "rollout"),
-    ("lldslight.update", "prepare", "log-probs"),
+    ("lldslight.update.train", "prepare", "log-probs"),
 )
 
 
@@ -630,7 +630,7 @@ def ensure_trl_venv(python: str | None) -> str:
 
 
 def run_worker(side: str, python: str, spec: dict, timeout: float) -> dict:
-    from lldslight import hostmem
+    from lldslight.run import hostmem
 
     spec = dict(spec, side=side, checkpointing="auto" if side == "lldslight-auto" else True,
                 shared_prefix=spec.get("shared_prefix", True) and side != "lldslight-unshared")
@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
                    help="lldslight's model.shared_prefix: on, off, or on plus a run with it off (lldslight-unshared)")
     p.add_argument("--malloc", choices=["lldslight", "default", "same"], default="lldslight",
-                   help="glibc malloc tunables (lldslight/hostmem.py): lldslight's workers only (as its command runs), nobody, "
+                   help="glibc malloc tunables (lldslight/run/hostmem.py): lldslight's workers only (as its command runs), nobody, "
                         "or both sides")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0 = no reference pass, both sides)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")

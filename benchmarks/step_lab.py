@@ -98,13 +98,13 @@ def build_cli(frozen_prefix: bool, precision: str, seed: int):
     run: its module, data module and callbacks as ``lldslight fit`` would make them."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 
     args = lab_step.fit_args(lab_step.RECIPE, lab_step.ARM, lab_step.POLICY, frozen_prefix, 1, seed)
     args += ["--model.policy.precision", PRECISION[precision], "--trainer.logger", "false"]
-    # The lldslight command is this LightningCLI over these classes with these defaults (lldslight/cli.py);
+    # The lldslight command is this LightningCLI over these classes with these defaults (lldslight/cli/lightning.py);
     # what it adds (lists replaced across config files, deprecated flat keys, resume checks) leaves
     # this recipe and arm as they are.
     with at_root():

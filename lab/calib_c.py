@@ -20,14 +20,18 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
+
+if __package__:  # lab.calib_c: imported (tests)
+    from .demo_seeds import T975
+else:  # python lab/calib_c.py: the script's own folder is on sys.path
+    from demo_seeds import T975
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "lab" / "archive" / "collapse" / "real_lm_C_calib"
 DEMO = ROOT / "lab" / "archive" / "demo" / "c_calib"
 REAL_ARMS, REAL_SEEDS = ("slowstart_2e-3", "slowstart_4e-3"), (1, 2, 3)
 DEMO_ARMS, DEMO_SEEDS = ("shipped", "stable_5.0e-4", "stable_2.0e-3", "stable_4.0e-3"), (6, 7, 8)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # Student's t, two-sided 95%, by degrees of freedom
 
 
 def column(run: Path, key: str) -> dict[int, float]:
@@ -61,7 +65,7 @@ def demo_run(arm: str, seed: int) -> dict | None:
 
 def t_interval(xs: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(xs)
-    half = T_975[len(xs) - 1] * statistics.stdev(xs) / len(xs) ** 0.5
+    half = T975[len(xs) - 1] * statistics.stdev(xs) / len(xs) ** 0.5
     return mean, mean - half, mean + half
 
 

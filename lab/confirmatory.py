@@ -65,7 +65,7 @@ from typing import Optional
 
 from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 
 if __package__:  # lab.confirmatory: imported (tests), or run as python -m lab.confirmatory
     from .collapse import _median
@@ -361,7 +361,8 @@ def c2_goal(outcomes: dict[tuple[str, str], dict[int, dict]]) -> dict:
 def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ...]]], more=None, horizon: int = HORIZON,
             final_window: int = 100) -> tuple[dict, dict, list[str], dict]:
     """The archived runs of ``sets`` ((arm, rate) -> (set folder, arm folder, seeds)): per key, seed ->
-    run_outcome (plus ``more(train)`` when given) with its CPU minutes; seed -> machine kind; the runs
+    run_outcome (plus ``more(train, outcome)`` when given: it reads the outcome instead of recomputing it)
+    with its CPU minutes; seed -> machine kind; the runs
     not readable yet; each set's recorded meta (empty when the set has no collapse.json)."""
     outcomes: dict[tuple[str, str], dict[int, dict]] = {}
     kinds: dict[tuple[str, str], dict[int, list]] = {}
@@ -381,7 +382,8 @@ def collect(lab: Path, sets: dict[tuple[str, str], tuple[str, str, tuple[int, ..
                 missing.append(gap)
                 continue
             train = training_rows(run, horizon)
-            outcomes[key][seed] = {**run_outcome(train, HOLD, horizon, final_window), **(more(train) if more else {})}
+            outcome = run_outcome(train, HOLD, horizon, final_window)
+            outcomes[key][seed] = {**outcome, **(more(train, outcome) if more else {})}
             kinds[key][seed] = list(map(str, kind_of[f"{arm}/seed{seed}"]))
             cpu_s = meta_runs[f"{arm}/seed{seed}"].get("cpu_s")  # the run's process CPU time (registered: reported per run)
             outcomes[key][seed]["cpu_min"] = None if cpu_s is None else cpu_s / 60
@@ -590,7 +592,7 @@ def c3_report(lab: Path = LAB, demo: Path = C3_DEMO) -> dict:
     """C3 from its archives: while any registered run is missing, counts only ("partial: no test
     computed", as registered); complete, the goal and the figures C3.md lists beside it."""
     sets = {**C3_SETS, **C3_LLDS}
-    outcomes, kinds, missing, metas = collect(lab, sets, more=controller_figures)
+    outcomes, kinds, missing, metas = collect(lab, sets, more=lambda train, _: controller_figures(train))
     problems = c3_checks(metas, sets)
     if problems:
         raise SystemExit(f"confirmatory: not C3's registered sets in {shown(lab)}: {'; '.join(problems)} (C3.md)")
@@ -703,12 +705,18 @@ def c3_demo_text(demo: dict) -> str:
     return "\n".join(lines)
 
 
-def b_signals(train) -> dict:
+def final_rates(train, window: int) -> dict:
+    """One run's answered and tool-call rates over its last ``window`` steps."""
+    n = len(train)
+    return {f"final_{name}": C.mean_over(C.column(train, key), n - window, n)
+            for key, name in (("train/answered_rate", "answered"), ("diag/tool_call_rate", "tool_call"))}
+
+
+def b_signals(train, _outcome=None) -> dict:
     """Stage B's descriptive figures of one run: its last-20 answered and tool-call rates, and each
     signal's mean over the first and the last 20 steps (the paper's signals next to the drift)."""
     n = len(train)
-    out = {f"final_{name}": C.mean_over(C.column(train, key), n - B_FINAL, n)
-           for key, name in (("train/answered_rate", "answered"), ("diag/tool_call_rate", "tool_call"))}
+    out = final_rates(train, B_FINAL)
     for key in B_SIGNALS:
         values = C.column(train, key)
         out[key] = [C.mean_over(values, 0, B_FINAL), C.mean_over(values, n - B_FINAL, n)]

@@ -27,9 +27,9 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 from lldslight.errors import require
-from lldslight.evaluation import paired_change
+from lldslight.rollout.evaluation import paired_change
 
 
 def read_text(path: Path) -> str:

@@ -23,17 +23,17 @@ import statistics
 from pathlib import Path
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 from lldslight.errors import require
-from lldslight.evaluation import paired_change
+from lldslight.rollout.evaluation import paired_change
 
 if __package__:  # lab.demo_seeds: imported (tests), or run as python -m lab.demo_seeds
     from .demo_curve import archive, by_question_type, read_text
 else:  # python lab/demo_seeds.py: the script's own folder is on sys.path
     from demo_curve import archive, by_question_type, read_text
 
-# Two-sided 95% quantiles of Student's t (tables); the plan has 4 seeds (df 3). Written out
-# because scipy is not a dependency.
+# Two-sided 95% quantiles of Student's t (tables); the plan has 4 seeds (df 3). Written out so the
+# demo's report runs on the library's own dependencies (scipy is a dev extra; a test checks the table against it).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 11: 2.201,
         12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131}  # Student t, two-sided 95%, by degrees of freedom
 ARM = re.compile(r"n(\d+)_seed(\d+)")

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 from lldslight.science import collapse as C
 
 ROOT = Path(__file__).resolve().parents[1]

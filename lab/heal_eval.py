@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from lldslight.errors import script_main
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 from lldslight.science import collapse as C
 
 

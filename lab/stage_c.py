@@ -4,7 +4,7 @@
 
 The set: ``lab/collapse.py --name real_lm_C`` (SmolLM2-135M, the real-model recipe, H = 80, hold 30),
 seeds 20-31, four arms: plain GRPO at 2e-3 (``grpo_2e-3``), + LLDS (``llds_2e-3``), the preset with its
-start phase and ceiling 2e-3 (``slowstart_2e-3``) and plain GRPO at the best fixed rate (``grpo_5e-4``).
+start phase and ceiling 2e-3 (``slowstart_cut_2e-3``) and plain GRPO at the best fixed rate (``grpo_5e-4``).
 Everything is recomputed from the archived per-step metrics (``lldslight.science.collapse``), nothing
 from the runner's report. Until all 48 runs are archived the report holds counts only (registered: no
 test on a partial set). Then:
@@ -36,12 +36,14 @@ from typing import Optional
 from lldslight.errors import UserError, script_main
 from lldslight.science import collapse as C
 from lldslight.science.alarm import AlarmConfig, replay_alarm
-from lldslight.writes import check_out_file
+from lldslight.run.writes import check_out_file
 
 if __package__:  # lab.stage_c: imported (tests), or run as python -m lab.stage_c
-    from .confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
+    from .confirmatory import (ALPHA, HOLD, LAB, collect, final_rates, kind_label, pairs_across_machines, paired_secondaries,
+                               prevention_claims, shown)
 else:  # python lab/stage_c.py: the script's own folder is on sys.path
-    from confirmatory import ALPHA, HOLD, LAB, collect, kind_label, pairs_across_machines, paired_secondaries, prevention_claims, shown
+    from confirmatory import (ALPHA, HOLD, LAB, collect, final_rates, kind_label, pairs_across_machines, paired_secondaries,
+                              prevention_claims, shown)
 
 NAME = "real_lm_C"
 SEEDS = tuple(range(20, 32))
@@ -50,7 +52,7 @@ FINAL = 20  # the last-20 reward: steps 60-79
 MARGIN = 0.05  # P3's non-inferiority margin, in reward
 BEFORE = 10  # the signals' window before each collapse
 # role -> (rate, the arm's folder): the roles the registration names; collect() keys on (role, rate).
-ROLES = {"grpo": ("2e-3", "grpo_2e-3"), "llds": ("2e-3", "llds_2e-3"), "preset": ("2e-3", "slowstart_2e-3"),
+ROLES = {"grpo": ("2e-3", "grpo_2e-3"), "llds": ("2e-3", "llds_2e-3"), "preset": ("2e-3", "slowstart_cut_2e-3"),
          "best": ("5e-4", "grpo_5e-4")}
 SETS = {(role, rate): (NAME, folder, SEEDS) for role, (rate, folder) in ROLES.items()}
 SIGNALS = ("lld/delta_correct", "lld/delta_incorrect", "drift/kl_k3_last", "train/entropy", "train/answered_rate",
@@ -88,13 +90,12 @@ def death_step(steps: list[int], reward: list[float], collapse: int) -> int:
     return death
 
 
-def signals(train) -> dict:
+def signals(train, outcome: dict) -> dict:
     """One run's descriptive figures (the registration's "paper's signals before each death"): its
     collapse step under the registered rule; the first 10 steps' and, if it collapsed, the 10 steps
     before its death step's (``death_step``) mean of each signal, with the steps of the most negative Delta correct
     and of the largest drift there; the first lld/warning; the replayed alarm's firings."""
-    summary = C.summarise(train, C.CollapseCriteria(hold=HOLD), final_window=FINAL)
-    time, collapsed = C.time_to_collapse(summary, HORIZON)
+    time, collapsed = outcome["time"], outcome["collapsed"]  # collect's run_outcome under the registered rule
     steps = [int(s) for s in train.index]
     cols = {key: C.column(train, key) or [math.nan] * len(steps) for key in SIGNALS}
     first = {key: _mean(cols[key][:BEFORE]) for key in SIGNALS}
@@ -153,15 +154,9 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> di
             "p3_differences": dict(zip(seeds, d)), "secondary": secondary, "last20_means": means}
 
 
-def final_rates(train) -> dict:
-    n = len(train)
-    return {f"final_{name}": C.mean_over(C.column(train, key), n - FINAL, n)
-            for key, name in (("train/answered_rate", "answered"), ("diag/tool_call_rate", "tool_call"))}
-
-
 def report(lab: Path = LAB) -> dict:
     """Stage C from its archive: counts only while a registered run is missing; complete, the analysis."""
-    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t: {**final_rates(t), **signals(t)},
+    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t, o: {**final_rates(t, FINAL), **signals(t, o)},
                                               horizon=HORIZON, final_window=FINAL)
     meta = metas.get(NAME) or {}
     if meta and meta.get("horizon") not in (None, HORIZON):

@@ -1,10 +1,10 @@
 """GRPOModule: the policy and its frozen reference, orchestrated for GRPO (docs/architecture.md, One training step).
 
-This file sets up the models, the optimiser (optim.py) and the checkpoint state, and logs; the updates
+This file sets up the models, the optimiser (update/optim.py) and the checkpoint state, and logs; the updates
 themselves (old/reference log-probs, mini/micro-batches, the loss and its terms, step gates, the
-optimiser step) read top to bottom in update.py, and the formulas live in objectives.py.
+optimiser step) read top to bottom in update/train.py, and the formulas live in update/objectives.py.
 Callbacks extend an update through ``add_loss_term`` (LLDS) and ``add_step_gate`` (the
-gradient-spike guard); see update.py for the contracts. GRPOModule is update.py's ``Learner``
+gradient-spike guard); see update/train.py for the contracts. GRPOModule is update/train.py's ``Learner``
 (what an update needs from the model) and takes the update's settings whole, an
 ``update.UpdateConfig`` (``model.update``): ``self.update_config``, which callbacks read too; the
 optimiser's are an ``optim.OptimConfig`` (``model.optim``): ``self.optim_config``.
@@ -29,27 +29,36 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import deprecated_keys, evaluation, frozen_prefix
-from lldslight import update
-from lldslight.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
-from lldslight.distributed import (
-    FSDPConfig, data_parallel_mesh, fsdp2_strategy_check, gradient_sync, reduce_over_ranks, shard_policy, through_root,
-)
+from lldslight.rollout import evaluation
 from lldslight.errors import require
-from lldslight.activation_checkpointing import activation_budget
-from lldslight.logprobs import token_logprobs
-from lldslight.policy import PolicyConfig, has_adapter, load_policy, model_arithmetic, resolve_precision
-from lldslight.preflight import check_policy
-from lldslight.metric_rules import reduction
-from lldslight.optim import OptimConfig, build_optimizer, set_learning_rate
+from lldslight.policy.activation_checkpointing import activation_budget
+from lldslight.policy.config import PolicyConfig
+from lldslight.policy.distributed import (
+    FSDPConfig,
+    data_parallel_mesh,
+    fsdp2_strategy_check,
+    gradient_sync,
+    reduce_over_ranks,
+    shard_policy,
+    through_root,
+)
+from lldslight.policy.files import check_policy
+from lldslight.policy.load import has_adapter, load_policy
+from lldslight.policy.precision import model_arithmetic, resolve_precision
+from lldslight.run import deprecated_keys
+from lldslight.run.checkpoint_io import capture_rng, check_state_keys, gather_rng, pick_rng, restore_rng
+from lldslight.run.metric_rules import reduction
 from lldslight.trajectory import Trajectory
-from lldslight.update import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
+from lldslight.update import frozen_prefix, train
+from lldslight.update.logprobs import token_logprobs
+from lldslight.update.optim import OptimConfig, build_optimizer, set_learning_rate
+from lldslight.update.train import LossContext, LossTerm, StepContext, StepGate, UpdateConfig  # noqa: F401 (the hooks' contracts)
 
 RolloutStage = Literal["train", "eval"]
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO on search trajectories; update.py's ``Learner``.
+    """GRPO on search trajectories; update/train.py's ``Learner``.
 
     Its settings come in groups, each a typed dataclass taken whole (``model.<group>.<field>`` in
     YAML; every field documented in docs/configuration.md and by ``lldslight fit --help``): a field
@@ -66,7 +75,7 @@ class GRPOModule(pl.LightningModule):
         logprob_chunk_size: positions per vocabulary-projection chunk; null sizes a chunk's fp32 logits
             to 32 MiB (170 positions at a 49k vocabulary, 55 at 152k; logprobs.py).
         fsdp: FSDP2 settings (mixed precision, resharding); used only under ModelParallelStrategy /
-            lldslight.distributed.FSDP2Strategy.
+            lldslight.policy.distributed.FSDP2Strategy.
     """
 
     def __init__(
@@ -248,7 +257,7 @@ class GRPOModule(pl.LightningModule):
     def with_frozen_prefix(self, traj: Trajectory, micro: list[Tensor]) -> Trajectory:
         """``traj`` with the hidden state entering the first trained decoder layer stored on it
         (``frozen_hidden``), computed once in the micro-batches ``micro``, so that every later pass
-        of this rollout batch runs only the layers from there up (lldslight/frozen_prefix.py);
+        of this rollout batch runs only the layers from there up (lldslight/update/frozen_prefix.py);
         ``traj`` unchanged where that does not apply (said once when it is turned on but cannot run)."""
         if not self.update_config.frozen_prefix or self.policy is None:
             return traj
@@ -279,7 +288,7 @@ class GRPOModule(pl.LightningModule):
     def batch_logprobs(self, traj: Trajectory, reference: bool = False, rows: Optional[Tensor] = None) -> Tensor:
         """No-grad log-probs [B, T] of ``rows`` (default: all) in micro-batches (update.batch_logprobs;
         LLDMonitor and LLDProbe use it)."""
-        return update.batch_logprobs(self, traj, reference=reference, rows=rows)
+        return train.batch_logprobs(self, traj, reference=reference, rows=rows)
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -289,7 +298,7 @@ class GRPOModule(pl.LightningModule):
                 "SearchRollout callback to trainer.callbacks, see configs/demo.yaml)", traj)
         self.rollout_batch = None
         optimizer = self.optimizers(use_pl_optimizer=False)  # stepped unwrapped: see _count_training_step
-        result = update.train_on_rollout(self, traj, optimizer, self.lr_schedulers())
+        result = train.train_on_rollout(self, traj, optimizer, self.lr_schedulers())
         self.last_rollout = result.trajectory
         self._count_training_step()
         self.timings.update(result.timings)
@@ -305,7 +314,7 @@ class GRPOModule(pl.LightningModule):
         progress.increment_ready()
         progress.increment_completed()
 
-    def _log_step(self, result: update.RolloutUpdates) -> None:
+    def _log_step(self, result: train.RolloutUpdates) -> None:
         traj = result.trajectory
         n = len(traj)
         actions = traj.num_actions.float().clamp(min=1)
@@ -328,7 +337,7 @@ class GRPOModule(pl.LightningModule):
         metrics.update(per_update)
         for k, v in self.timings.items():
             metrics[f"time/{k}"] = v
-        # Across ranks, by lldslight/metric_rules.py (maxima stay maxima, shares and counts add up, a
+        # Across ranks, by lldslight/run/metric_rules.py (maxima stay maxima, shares and counts add up, a
         # step takes as long as its slowest rank, the rest is averaged); an update's key without a
         # rule (your loss term's or gate's) by its channel. Reduced here, once, so that callbacks
         # reading last_step_metrics see the same global values on every rank (every rank logs the
@@ -337,7 +346,7 @@ class GRPOModule(pl.LightningModule):
         self.last_step_metrics = reduce_over_ranks(metrics, kinds, self.device)
         self.log_dict(self.last_step_metrics, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
 
-    # -- checkpoints (lldslight/checkpoint_io.py) ----------------------------------------------------
+    # -- checkpoints (lldslight/run/checkpoint_io.py) ----------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         trainable = {name for name, p in self.named_parameters() if p.requires_grad}
@@ -408,7 +417,7 @@ class GRPOModule(pl.LightningModule):
             restore_rng(self.rng_after_step)
         return batch
 
-    # -- evaluation (lldslight/evaluation.py) --------------------------------------------------------
+    # -- evaluation (lldslight/rollout/evaluation.py) --------------------------------------------------------
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step()

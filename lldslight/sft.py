@@ -40,12 +40,14 @@ from torch import Tensor
 
 from lldslight.data.example import QAExample
 from lldslight.errors import ArgumentParser, ConfigError, UserError
-from lldslight.logprobs import token_logprobs
-from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, model_arithmetic, save_merged
+from lldslight.update.logprobs import token_logprobs
+from lldslight.policy.config import LoRAConfig, PolicyConfig
+from lldslight.policy.load import load_policy, save_merged
+from lldslight.policy.precision import model_arithmetic
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import normalize_answer
 from lldslight.rollout import Layout, format_observation, observation_ids, pack, prompt_token_ids
-from lldslight.writes import check_out_dir, check_writable
+from lldslight.run.writes import check_out_dir, check_writable
 
 
 @dataclass

@@ -50,7 +50,7 @@ class Trajectory:
     advantage: Tensor | None = None  # [B] float
     old_logp: Tensor | None = None  # [B, T]
     ref_logp: Tensor | None = None  # [B, T]
-    old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update.py)
+    old_logp_pending: Tensor | None = None  # [B] bool: old log-probs the first update fills in (update/train.py)
     pg_weight: Tensor | None = None  # [B, T] float: weight of each token's policy-gradient term (None = 1; model.update.negative_advantages)
     frozen_hidden: Tensor | None = None  # [B, T, H] the hidden state entering decoder layer frozen_start (frozen_prefix.py)
     frozen_start: int | None = None  # the first trained decoder layer; None when frozen_hidden is

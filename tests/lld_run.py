@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 _CACHE: dict[str, object] = {}
 

@@ -1,4 +1,4 @@
-"""policy.gradient_checkpointing: auto (lldslight/activation_checkpointing.py): decoder layers keep their
+"""policy.gradient_checkpointing: auto (lldslight/policy/activation_checkpointing.py): decoder layers keep their
 activations while they fit in the byte budget, the rest are checkpointed; the gradient is the same
 whatever the budget. Float64, so the comparisons measure the checkpointing, not fp32 rounding."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_policy_config
-from lldslight.activation_checkpointing import activation_budget
-from lldslight.logprobs import token_logprobs
+from lldslight.policy.activation_checkpointing import activation_budget
+from lldslight.update.logprobs import token_logprobs
 from lldslight.policy import PolicyConfig, load_policy
 
 LAYERS = 4

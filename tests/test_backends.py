@@ -59,7 +59,7 @@ def test_the_reference_backend_matches_on_the_tiny_configs_model(tiny_policy, pr
 def test_the_reference_backend_samples_with_log_probs_of_its_own_tokens(protocol_model, protocol_examples, bm25):
     """Sampling: different random streams, so not the engine's tokens; its log-probs must be the
     model's log-probs of the tokens it drew (checked by a forward pass over the packed rows)."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
 
     model, tok = protocol_model
     torch.manual_seed(0)

@@ -376,7 +376,7 @@ def test_corrupt_newest_sibling_is_skipped_when_offering_one(work, capsys):
 
 
 def test_lightning_checkpoint_reader_names_a_damaged_file(work):
-    from lldslight.checkpoint_io import AtomicCheckpointIO
+    from lldslight.run.checkpoint_io import AtomicCheckpointIO
     from lldslight.errors import CheckpointError
 
     paths = _checkpoints(work / "ckpt_run3" / "checkpoints")
@@ -418,7 +418,7 @@ def test_observe_mode_logs_unavailable_queries_per_step(protocol_model, protocol
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.data.formats import write_searchr1_parquet
     from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.policy import PolicyConfig
     from lldslight.retrieval import HttpRetriever, start_server
     from lldslight.rollout import RolloutConfig
@@ -573,7 +573,7 @@ def module_checkpoint(work) -> Path:
     import lightning
 
     from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
     from tests.conftest import tiny_policy_config
 

@@ -149,7 +149,7 @@ def test_the_row_bound_by_hand():
     KV cache + 196,608 B of logits = 5,726,208 B a row; 1 GiB holds 187 rows, so 93 per prompt at 2 prompts."""
     from types import SimpleNamespace
 
-    from lldslight.bounds import ModelShape, check_rows
+    from lldslight.rollout.bounds import ModelShape, check_rows
     from lldslight.errors import ConfigError
 
     cfg = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
@@ -184,7 +184,7 @@ def test_a_directory_as_val_files_is_one_line(work, capsys, tmp_path):
 
 
 def test_no_deprecated_key_in_a_shipped_config():
-    """policy.dtype is deprecated (policy.precision replaced it; lldslight/policy.py warns)."""
+    """policy.dtype is deprecated (policy.precision replaced it; lldslight/policy/config.py warns)."""
     found = []
     for path in sorted((ROOT / "configs").rglob("*.yaml")):
         policy = ((yaml.safe_load(path.read_text()) or {}).get("model") or {}).get("policy") or {}
@@ -333,7 +333,7 @@ def test_a_full_disk_during_a_checkpoint_write_names_it(tmp_path):
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from lldslight.checkpoint_io import AtomicCheckpointIO\n"
+        "from lldslight.run.checkpoint_io import AtomicCheckpointIO\n"
         "from lldslight.errors import UserError\n"
         f"path = Path({str(path)!r})\n"
         "io = AtomicCheckpointIO()\n"

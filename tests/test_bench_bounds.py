@@ -67,7 +67,7 @@ def test_update_flops_match_torchs_flop_counter(bounds, checkpointing):
     torch.utils.flop_counter (matmuls only: CPU attention is not counted there)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
     from lldslight.policy import load_policy
 
     cfg = tiny_policy_config(lora=True)

@@ -18,7 +18,7 @@ def test_phase_memory_sees_a_known_allocation_above_idle(step):
     import gc
     import mmap
 
-    from lldslight import hostmem
+    from lldslight.run import hostmem
 
     # Earlier tests' garbage freed during the measurement would lower the RSS under the idle
     # figure taken at begin() (in one full-suite run the 200 MiB read as 144): settle it first.
@@ -171,7 +171,7 @@ def test_profiled_phases_are_on_the_libraries_code_path(step):
     phase fails here instead of dropping out of the profile: GRPOModule.prepare_rollout did)."""
     import inspect
 
-    from lldslight import update
+    from lldslight.update import train as update
 
     labels = load_benchmark("profiling").LABELS
     for module_name, path, name in step.LLDSLIGHT_LABELS:

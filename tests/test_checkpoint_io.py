@@ -11,7 +11,7 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from lldslight.checkpoint_io import (
+from lldslight.run.checkpoint_io import (
     AtomicCheckpointIO,
     capture_rng,
     newest_last_checkpoint,

@@ -13,7 +13,7 @@ from lld_run import AlternatingReward
 from lldslight.science.alarm import SIGNALS, AlarmConfig, read_metrics_csv, replay_alarm
 from lldslight.errors import ConfigError
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 # Tiny-run scale: a 3-step baseline, then statistics sensitive enough (k = 0, h = 0.3) that the
 # 9 steps of a random model cross and fire, so the comparison with the replay is not vacuous.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lldslight import frozen_prefix
+from lldslight.update import frozen_prefix
 from lldslight.errors import ConfigError
 from lldslight.rewards import ExactMatchReward
 from lldslight.rollout import RolloutConfig, RolloutEngine

@@ -30,7 +30,7 @@ def test_two_top_level_blocks_are_refused(tmp_path, capsys):
 
 def test_a_merge_key_may_be_overridden(tmp_path):
     """``<<: *base`` then a key of base: YAML's own way to override, not a duplicate."""
-    from lldslight import config_files
+    from lldslight.run import config_files
 
     text = "base: &b {logprob_temperature: 1.0, logprob_chunk_size: 64}\nmodel:\n  <<: *b\n  logprob_temperature: 2.0\n"
     assert config_files.load_text(text, "x.yaml", sections=False)["model"] == {"logprob_temperature": 2.0, "logprob_chunk_size": 64}
@@ -96,7 +96,7 @@ def count_values(tree) -> int:
 def test_the_expansion_bound_is_the_expanded_size(monkeypatch):
     """The bound counts what the document expands to: a document of N values passes with a budget
     of N and is refused with N - 1 (N counted independently, by walking the loaded document)."""
-    from lldslight import config_files
+    from lldslight.run import config_files
 
     text = "a: &a [1, 2, 3]\nb: &b [*a, *a, *a]\nc: [*b, *b, {k: *a}]\n"
     n = count_values(yaml.safe_load(text))
@@ -109,7 +109,7 @@ def test_the_expansion_bound_is_the_expanded_size(monkeypatch):
 
 
 def test_the_depth_bound_follows_the_recursion_limit(monkeypatch):
-    from lldslight import config_files
+    from lldslight.run import config_files
 
     limit = sys.getrecursionlimit() // config_files.FRAMES_PER_LEVEL
     config_files.check_text("[" * limit + "]" * limit, "x.yaml")

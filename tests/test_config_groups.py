@@ -1,7 +1,7 @@
 """``model.update.*`` and ``model.optim.*``: the groups GRPOModule takes whole, the flat keys they
 replaced (a user's gets one line naming its new place, before the model loads; a checkpoint's folds
 in silently), the shipped configs written with the groups, and the one learning-rate setter
-(lldslight/optim.py, lldslight/deprecated_keys.py).
+(lldslight/update/optim.py, lldslight/run/deprecated_keys.py).
 
 The new places a flat key is told to go are written out here by hand, not read from the table the
 code uses. The collapse lab's registered recipe is checked against its values written out by hand,
@@ -36,7 +36,7 @@ MOVED_BY_HAND = {
 
 def _instantiate(args: list[str]):
     """The real CLI, built but not run (as tests/test_recipes.py does)."""
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lldslight.cli.lightning import TRAINER_DEFAULTS, _cli_class
 
     cli_cls, module_cls, datamodule_cls = _cli_class()
     return cli_cls(module_cls, datamodule_cls, args=args, run=False, trainer_defaults=TRAINER_DEFAULTS,
@@ -77,7 +77,7 @@ def test_the_lab_recipe_keeps_its_values_and_its_registered_command_line_names_t
     """lab/configs/constant.yaml and its arms, through the real CLI: the values of the recipe as
     registered (written out by hand here); the registration's ``-- --model.lr 5e-4`` now stops
     with one line naming ``model.optim.lr``, which sets the rate."""
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     monkeypatch.chdir(ROOT)
@@ -122,7 +122,7 @@ def test_flat_keys_in_a_config_file_are_one_line_naming_each_new_place(tmp_path,
 
 
 def test_a_flat_key_on_the_command_line_or_in_resume_override_is_one_line(tmp_path, capsys, monkeypatch):
-    from lldslight.cli import _override_keys
+    from lldslight.cli.resume import _override_keys
     from lldslight.errors import ConfigError
 
     monkeypatch.chdir(ROOT)
@@ -132,6 +132,45 @@ def test_a_flat_key_on_the_command_line_or_in_resume_override_is_one_line(tmp_pa
         _override_keys("model.optim.lr,model.grad_clip", {"optim.lr", "update.grad_clip"})
     assert str(refused.value) == _moved_line("--resume_override", "grad_clip")
     assert _override_keys("model.optim.lr,model.update.grad_clip", {"optim.lr", "update.grad_clip"}) == {"optim.lr", "update.grad_clip"}
+
+
+# -- class paths of modules that moved into folders -------------------------------------------------------------------
+
+# Where each class users name by class path lives now, by hand (docs/scaling_and_resume.md, a config's trainer.plugins).
+MOVED_LINE = "{old} is now {new}: write that (lldslight's modules moved into folders)"
+
+
+def test_a_class_path_of_a_moved_module_is_one_line_naming_the_new_place(tmp_path, capsys, monkeypatch):
+    """A config an earlier lldslight saved names its checkpoint writer at the old path, a command
+    line the FSDP2 strategy at its old one: one line each naming the new place, exit 2, before the
+    parse (jsonargparse's own error is every alternative of the Union)."""
+    monkeypatch.chdir(ROOT)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({"trainer": {"plugins": [{"class_path": "lldslight.checkpoint_io.AtomicCheckpointIO"}]}}))
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--config", str(saved)], capsys)
+    assert (code, err) == (2, [f"{saved}: trainer.plugins.class_path: " + MOVED_LINE.format(
+        old="lldslight.checkpoint_io.AtomicCheckpointIO", new="lldslight.run.checkpoint_io.AtomicCheckpointIO")])
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--trainer.strategy", "lldslight.distributed.FSDP2Strategy"], capsys)
+    assert (code, err) == (2, ["the command line: " + MOVED_LINE.format(
+        old="lldslight.distributed.FSDP2Strategy", new="lldslight.policy.distributed.FSDP2Strategy")])
+    code, err = _fit_error(["--config", "configs/tiny.yaml", "--config", "{trainer: {strategy: {class_path: lldslight.distributed.FSDP2Strategy}}}"], capsys)
+    assert code == 2 and len(err) == 1 and err[0].endswith("trainer.strategy.class_path: " + MOVED_LINE.format(
+        old="lldslight.distributed.FSDP2Strategy", new="lldslight.policy.distributed.FSDP2Strategy"))
+
+
+def test_the_moved_modules_table_names_modules_that_exist_where_the_old_ones_do_not():
+    import importlib
+    import importlib.util
+
+    from lldslight.policy.distributed import FSDP2Strategy
+    from lldslight.run.checkpoint_io import AtomicCheckpointIO
+    from lldslight.run.deprecated_keys import MOVED_MODULES
+
+    assert (FSDP2Strategy.__module__, AtomicCheckpointIO.__module__) == ("lldslight.policy.distributed", "lldslight.run.checkpoint_io")
+    assert len(MOVED_MODULES) == 21
+    for old, new in MOVED_MODULES.items():
+        assert importlib.util.find_spec(old) is None, old
+        assert importlib.import_module(new).__name__ == new
 
 
 # -- checkpoints an earlier lldslight wrote ---------------------------------------------------------------------------
@@ -149,8 +188,8 @@ OLD_HPARAMS = {  # every hyper-parameter the flat GRPOModule saved (its signatur
 
 
 def test_an_old_checkpoints_flat_hyper_parameters_map_to_the_groups():
-    from lldslight.deprecated_keys import nested
-    from lldslight.optim import OptimConfig
+    from lldslight.run.deprecated_keys import nested
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     groups = nested(OLD_HPARAMS)
@@ -204,7 +243,7 @@ def test_checkpoints_an_earlier_lldslight_wrote_resume(tmp_path):
 
 
 def _warmed(lr: float, steps: int, warmup: int = 4):
-    from lldslight.optim import OptimConfig, build_optimizer
+    from lldslight.update.optim import OptimConfig, build_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     groups = [{"params": [params[0]]}, {"params": [params[1]]}]  # two parameter groups
@@ -219,7 +258,7 @@ def _warmed(lr: float, steps: int, warmup: int = 4):
 
 def test_set_learning_rate_continues_the_schedule_as_if_started_at_the_new_rate():
     """Against torch itself: a run that started at the new rate, at the same step."""
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
 
     optimizer, scheduler = _warmed(1e-2, steps=2)
     rates = set_learning_rate(optimizer, scheduler, 4e-3)
@@ -239,7 +278,7 @@ def test_set_learning_rate_continues_the_schedule_as_if_started_at_the_new_rate(
 
 def test_set_learning_rate_per_group_without_a_scheduler_and_bad_input():
     from lldslight.errors import ConfigError
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
 
     optimizer, scheduler = _warmed(1e-2, steps=5)
     assert set_learning_rate(optimizer, scheduler, [1e-3, 2e-3]) == pytest.approx([1e-3, 2e-3])  # past the warm-up: x 1
@@ -253,7 +292,7 @@ def test_set_learning_rate_per_group_without_a_scheduler_and_bad_input():
 
 def test_optim_config_checks_its_fields():
     from lldslight.errors import ConfigError
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
 
     assert OptimConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)  # YAML lists become tuples
     for field, bad, needle in (("lr", 0.0, "model.optim.lr must be > 0"), ("betas", (0.9,), "model.optim.betas must be two numbers"),
@@ -267,7 +306,7 @@ def test_optim_config_checks_its_fields():
 def test_the_configuration_page_documents_every_field_of_both_groups():
     import dataclasses
 
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     page = (ROOT / "docs" / "configuration.md").read_text()

@@ -108,7 +108,7 @@ def test_val_keeps_every_example_and_rank_sharding(files: dict[str, list[str]]) 
 
 
 def test_eval_filler_records_are_dropped() -> None:
-    from lldslight.evaluation import gather_records
+    from lldslight.rollout.evaluation import gather_records
 
     records = [{"data_source": "nq", "em": 1.0}, {"data_source": EVAL_PADDING, "em": 1.0}]
     assert gather_records(records) == records[:1]

@@ -143,12 +143,12 @@ def test_ddp_two_processes_match_one_process(tmp_path, capfd):
 def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
-    from lldslight.export import main as export_main
+    from lldslight.policy.export import main as export_main
     from lldslight.module import GRPOModule
 
     rec = tmp_path / "rec"
     fmt = dict(rec=rec, retriever=RETRIEVER, rollout=ROLLOUT, steps=STEPS)
-    multi = run_fit(tmp_path, "fsdp", MULTI.format(strategy="{class_path: lldslight.distributed.FSDP2Strategy}", **fmt))
+    multi = run_fit(tmp_path, "fsdp", MULTI.format(strategy="{class_path: lldslight.policy.distributed.FSDP2Strategy}", **fmt))
     single = run_fit(tmp_path, "single", REPLAY.format(**fmt), in_process=True)
     assert "reproduced token for token" in capfd.readouterr().out
     check_same_training(multi, single, rec)
@@ -175,7 +175,7 @@ def test_fsdp2_two_processes_match_one_process_and_checkpoint_loads_anywhere(tmp
 def test_fsdp1_strategy_is_refused_with_a_pointer_to_fsdp2():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from lldslight.distributed import FSDP2Strategy, fsdp2_strategy_check
+    from lldslight.policy.distributed import FSDP2Strategy, fsdp2_strategy_check
 
     with pytest.raises(ValueError, match="FSDP2Strategy"):
         fsdp2_strategy_check(FSDPStrategy())
@@ -191,7 +191,7 @@ def test_fsdp2_full_finetuning_with_a_reference_model_resumes_bit_for_bit(tmp_pa
     """The paper's recipes: full fine-tuning under FSDP2 with a separate frozen reference model
     (KL on). Three steps in one go vs two steps, then a restart from the checkpoint for the third:
     the same metrics and final weights, bit for bit."""
-    fmt = dict(rec=tmp_path / "rec", retriever=RETRIEVER, rollout=ROLLOUT, strategy="{class_path: lldslight.distributed.FSDP2Strategy}")
+    fmt = dict(rec=tmp_path / "rec", retriever=RETRIEVER, rollout=ROLLOUT, strategy="{class_path: lldslight.policy.distributed.FSDP2Strategy}")
 
     def body(steps: int) -> str:
         # A checkpoint after every step (mid-epoch): the one saved when max_steps ends an unfinished
@@ -224,7 +224,7 @@ def test_fsdp2_with_a_param_dtype_trains(tmp_path):
     split attention calls must survive that (it read 0 and the first step failed)."""
     rec = tmp_path / "rec"
     fmt = dict(rec=rec, retriever=RETRIEVER, rollout=ROLLOUT, steps=STEPS)
-    run = run_fit(tmp_path, "fsdp_dtype", MULTI.format(strategy="{class_path: lldslight.distributed.FSDP2Strategy}", **fmt),
+    run = run_fit(tmp_path, "fsdp_dtype", MULTI.format(strategy="{class_path: lldslight.policy.distributed.FSDP2Strategy}", **fmt),
                   extra=("--model.fsdp.param_dtype", "float32"))
     steps = metrics(run)
     assert sorted(steps) == list(range(STEPS)) and all(s["train/grad_norm"] > 0 for s in steps.values())

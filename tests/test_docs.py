@@ -13,7 +13,7 @@ Metric keys are collected by two nets, because neither sees them all:
   ``guard/clipped``, ``retrieval/unavailable``, ``sft/loss``, a key added to a rarely taken branch).
 A documented key may hold a variable part in angle brackets (``val/em/<data_source>``): it matches
 one path segment. The real run's keys must also each have a reduction rule in
-lldslight/metric_rules.py (tests/test_metric_rules.py checks the rules themselves).
+lldslight/run/metric_rules.py (tests/test_metric_rules.py checks the rules themselves).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_readme_commands_and_yaml(tmp_path, monkeypatch):
     from lightning.pytorch.cli import LightningCLI
 
     from lldslight.callbacks import LLDS, GradientSpikeGuard, LLDMonitor, SearchRollout
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 
@@ -248,7 +248,7 @@ def test_logged_keys_of_a_real_run_are_documented(tmp_path, monkeypatch):
         assert expected in keys, f"the run did not log {expected}: the net is not composed as intended"
     missing = undocumented(keys, METRICS_PAGE.read_text())
     assert not missing, "logged by a real run but not in docs/metrics.md: " + ", ".join(missing)
-    from lldslight.metric_rules import rule_for
+    from lldslight.run.metric_rules import rule_for
 
     no_rule = sorted(k for k in keys - {"step", "epoch"} if rule_for(k) is None)  # Lightning's own columns aside
-    assert not no_rule, "logged by a real run but no reduction rule in lldslight/metric_rules.py: " + ", ".join(no_rule)
+    assert not no_rule, "logged by a real run but no reduction rule in lldslight/run/metric_rules.py: " + ", ".join(no_rule)

@@ -61,7 +61,7 @@ def test_api_reference_documents_the_public_classes(site):
     import lldslight.callbacks as callbacks
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.policy import LoRAConfig, PolicyConfig
     from lldslight.retrieval.bm25 import BM25Retriever
     from lldslight.retrieval.dense import DenseRetriever

@@ -1,5 +1,5 @@
 """Drift of a rollout batch's updates: the drift/* metrics, the update's early stop (target_kl) and
-whether a batch's drift carries signal (lldslight/update.py; the rate controller that reads them:
+whether a batch's drift carries signal (lldslight/update/train.py; the rate controller that reads them:
 tests/test_rate_controller.py).
 
 Every expected value is computed here a second way: the KLs from probabilities (not log-prob
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lldslight import update as U
+from lldslight.update import train as U
 from lldslight.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]

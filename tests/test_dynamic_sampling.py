@@ -16,7 +16,7 @@ import torch
 from conftest import ROOT, tiny_policy_config
 from run_helpers import CountGenerate, SplitReward
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 G = 4
 BATCH = 2
@@ -36,7 +36,7 @@ def fit(tmp_path, synth_kb, bm25, reward, max_rounds: int, steps: int = 2, seed:
 
     from lldslight.callbacks import SearchRollout, SearchRolloutOptions
     from lldslight.data.datamodule import SearchQADataModule
-    from lldslight.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig
     from lldslight.module import GRPOModule
     from lldslight.rollout import RolloutConfig
 
@@ -149,7 +149,7 @@ def test_a_group_of_one_is_refused_before_training(synth_kb, bm25) -> None:
 
     from lldslight.callbacks import SearchRollout, SearchRolloutOptions
     from lldslight.data.datamodule import SearchQADataModule
-    from lldslight.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig
     from lldslight.module import GRPOModule
     from lldslight.rollout import RolloutConfig
 
@@ -180,7 +180,7 @@ def _instantiate(*configs: str):
     """The objects LightningCLI builds from ``configs`` (nothing runs)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.module import GRPOModule
 
@@ -199,7 +199,7 @@ def _rollout_after_setup(cli):
 
 
 def test_the_composed_config_sets_the_searchrollout_option_without_deprecation(monkeypatch) -> None:
-    from lldslight.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lldslight"])
@@ -211,7 +211,7 @@ def test_the_composed_config_sets_the_searchrollout_option_without_deprecation(m
 
 
 def test_the_deprecated_callback_still_works_from_yaml_and_names_the_option(monkeypatch, tmp_path) -> None:
-    from lldslight.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lldslight"])
@@ -226,7 +226,7 @@ def test_an_option_set_in_two_places_differently_is_refused(bm25) -> None:
     from types import SimpleNamespace
 
     from lldslight.callbacks import SearchRollout, SearchRolloutOptions
-    from lldslight.dynamic_sampling import DynamicSamplingConfig
+    from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig
 
     own = SearchRollout(retriever=bm25, dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=2))
     same = SearchRolloutOptions(dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=2))
@@ -259,7 +259,7 @@ model:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "{class_path: lldslight.distributed.FSDP2Strategy}"], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "{class_path: lldslight.policy.distributed.FSDP2Strategy}"], ids=["ddp", "fsdp2"])
 def test_two_ranks_stay_in_step(tmp_path, strategy) -> None:
     """2 processes (gloo) with configs/dynamic_sampling.yaml composed on top: every step, both ranks
     call generate equally often (under FSDP2 each call gathers the sharded weights collectively: a

@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from lldslight import stopping
-from lldslight.checkpoint_io import AtomicCheckpointIO
+from lldslight.run import stopping
+from lldslight.run.checkpoint_io import AtomicCheckpointIO
 from lldslight.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
 from lldslight.rewards import exact_match, final_answer
 from tests.conftest import ROOT

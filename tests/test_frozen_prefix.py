@@ -1,4 +1,4 @@
-"""The frozen bottom of the decoder computed once per rollout batch (lldslight/frozen_prefix.py).
+"""The frozen bottom of the decoder computed once per rollout batch (lldslight/update/frozen_prefix.py).
 
 Two references, as in test_shared_prefix.py: lldslight's own plain path (every pass runs every
 layer: ``frozen_prefix`` off), and transformers' plain forward (full logits, log_softmax, gather:
@@ -20,8 +20,8 @@ import torch
 from conftest import TINY_DIMS, tiny_policy_config
 from test_shared_prefix import PROMPTS, REL, assert_close, hand_built, transformers_path, weights
 
-from lldslight import frozen_prefix
-from lldslight.logprobs import token_logprobs
+from lldslight.update import frozen_prefix
+from lldslight.update.logprobs import token_logprobs
 from lldslight.policy import LoRAConfig, load_policy
 from lldslight.trajectory import Trajectory
 
@@ -162,8 +162,8 @@ def test_an_update_with_the_boundary_is_the_plain_update(lora, k):
     frozen_prefix on and off; with it on the bottom layers run once per rollout batch (one no-grad
     pass), not in pi_old's, the reference's and each training pass; LLDMonitor's after-step
     forward (batch_logprobs on the prepared rows) reuses the stored boundary too."""
-    from lldslight import update
-    from lldslight.optim import OptimConfig, build_optimizer
+    from lldslight.update import train as update
+    from lldslight.update.optim import OptimConfig, build_optimizer
 
     out = {}
     for reuse in (True, False):
@@ -208,8 +208,8 @@ def test_an_update_with_the_boundary_is_the_plain_update(lora, k):
 
 
 def test_a_budget_too_small_falls_back_and_says_so(capsys):
-    from lldslight import update
-    from lldslight.optim import OptimConfig, build_optimizer
+    from lldslight.update import train as update
+    from lldslight.update.optim import OptimConfig, build_optimizer
     from lldslight.update import UpdateConfig
 
     module = learner(True, True, 2)

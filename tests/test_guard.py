@@ -24,7 +24,7 @@ from lldslight.module import GRPOModule
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy
 from lldslight.trajectory import Trajectory
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 # Smaller than conftest's tiny policy (1 layer, width 32): these tests run a dozen updates each,
 # and the 49k-token output projection dominates their cost.

@@ -1,7 +1,7 @@
 """The update owns its interface, and callbacks hand over through declared, typed names
 (docs/architecture.md, Interfaces):
 
-- update.py's ``UpdateConfig`` holds the update's settings (defaults defined there only) and
+- update/train.py's ``UpdateConfig`` holds the update's settings (defaults defined there only) and
   ``Learner`` what it needs from a model; GRPOModule is a Learner and builds its UpdateConfig once;
 - nothing in lldslight reads a hyper-parameter with ``hparams.get(key, default)`` (a second default);
 - callbacks set no attribute on the module that ``GRPOModule.__init__`` does not declare (read from
@@ -62,13 +62,13 @@ def test_the_module_is_a_learner_with_the_update_config_it_is_given():
 
 
 def test_update_choice_sets_are_defined_once_and_checked():
-    """A group refuses a value outside its choices (the Literal choice sets: update.py's,
+    """A group refuses a value outside its choices (the Literal choice sets: update/train.py's,
     objectives.py's, optim.py's), naming the key and the choices."""
     import typing
 
     from lldslight.errors import ConfigError
     from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     update_types = typing.get_type_hints(UpdateConfig)
@@ -86,9 +86,9 @@ def test_the_groups_are_taken_whole_and_documented():
     no forwarding code), each field keeps its default in its dataclass only, and every field is
     typed and documented (an attribute docstring after it, as litgpt's TrainArgs); the old
     release's flat keys are each a field of their group and no argument of GRPOModule's."""
-    from lldslight.deprecated_keys import GROUP_OF
+    from lldslight.run.deprecated_keys import GROUP_OF
     from lldslight.module import GRPOModule
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     params = inspect.signature(GRPOModule.__init__).parameters
@@ -96,7 +96,7 @@ def test_the_groups_are_taken_whole_and_documented():
     groups = {"update": {f.name for f in dataclasses.fields(UpdateConfig)}, "optim": {f.name for f in dataclasses.fields(OptimConfig)}}
     assert len(GROUP_OF) == 23 and all(key in groups[group] for key, group in GROUP_OF.items())  # the old release's flat keys
     assert set(params) == {"self", "policy", "update", "optim", "logprob_temperature", "logprob_chunk_size", "fsdp"}
-    for path, cls in ((PACKAGE / "update.py", "UpdateConfig"), (PACKAGE / "optim.py", "OptimConfig")):
+    for path, cls in ((PACKAGE / "update" / "train.py", "UpdateConfig"), (PACKAGE / "update" / "optim.py", "OptimConfig")):
         body = next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == cls).body
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign):
@@ -106,7 +106,7 @@ def test_the_groups_are_taken_whole_and_documented():
 
 
 def test_update_does_not_know_the_module():
-    tree = ast.parse((PACKAGE / "update.py").read_text())
+    tree = ast.parse((PACKAGE / "update" / "train.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "lldslight.module" not in imported and "lldslight.callbacks" not in imported
@@ -149,7 +149,7 @@ def test_callbacks_assign_only_declared_module_attributes():
 
 
 def test_callbacks_reach_no_private_name_of_another_module():
-    # A rate change goes through lldslight.optim.set_learning_rate. Two of Lightning's own private
+    # A rate change goes through lldslight.update.optim.set_learning_rate. Two of Lightning's own private
     # names, where it has no public view (callbacks/step_row.py says why): the row of logged values
     # before the loggers get it, and the step number the loggers write.
     allowed: set = {("trainer", "_logger_connector"), ("trainer.fit_loop.epoch_loop", "_batches_that_stepped")}
@@ -219,7 +219,7 @@ def test_a_fit_sets_only_declared_attributes(tmp_path, synth_kb, bm25):
     from lldslight.callbacks import LLDS, CollapseAlarm, GradientSpikeGuard, Heal, LLDMonitor, RunSummary, SearchRollout
     from lldslight.data.datamodule import SearchQADataModule
     from lldslight.rollout import RolloutConfig
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     class HealAtStep1(pl.Callback):

@@ -22,7 +22,7 @@ from lldslight.callbacks import LLDS, CollapseAlarm, GradientSpikeGuard, Heal, L
 from lldslight.science.diagnostics import PhaseConfig
 from lldslight.errors import ConfigError
 from lldslight.module import GRPOModule
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 from lldslight.policy import load_policy
 from lldslight.update import UpdateConfig
 from test_guard import make_rollout, same_state, small_config

@@ -1,4 +1,4 @@
-"""The lldslight command runs under its malloc tunables (lldslight/hostmem.py): it re-executes
+"""The lldslight command runs under its malloc tunables (lldslight/run/hostmem.py): it re-executes
 itself once with GLIBC_TUNABLES set, keeps tunables the user set, and can be told not to."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lldslight import hostmem
+from lldslight.run import hostmem
 
 ROOT = Path(__file__).resolve().parents[1]
 # Prints the environment it starts with, then runs the command line's entry point (usage: exit 2).

@@ -1,5 +1,7 @@
 """lldslight's import graph has no cycle: no module imports, directly or through others, a module
-that imports it (docs/architecture.md, Layers).
+that imports it (docs/architecture.md, Layers). Collapsed to the top of the package (a folder such
+as lldslight/run/ is one node, a module such as lldslight/module.py another) it has no cycle either,
+and no arrow runs up the layers that LAYERS lists: a folder imports only the layers below it.
 
 The graph is read from the source with ``ast``, so it sees every import statement: at the top of a
 file, inside a function (a lazy import only postpones a cycle to the first call) and under
@@ -9,7 +11,7 @@ else to ``lldslight.a``. The implicit import of a module's parent packages is no
 package ``__init__`` re-exporting its submodules is the usual layout, and a submodule importing its
 own package explicitly (``from lldslight.callbacks import X``) is.
 
-    python tests/test_import_graph.py [ROOT]   # prints the cycles (exit 1), or nothing
+    python tests/test_import_graph.py [ROOT]   # prints the cycles and arrows up (exit 1), or nothing
 """
 from __future__ import annotations
 
@@ -125,8 +127,8 @@ def _path_back(graph: dict[str, set[str]], component: set[str], start: str) -> l
 def test_the_graph_is_read():
     graph = import_graph(ROOT)
     # a few edges that exist, so an empty graph cannot pass
-    assert "lldslight.objectives" in graph["lldslight.update"]
-    assert "lldslight.update" in graph["lldslight.module"]
+    assert "lldslight.update.objectives" in graph["lldslight.update.train"]
+    assert "lldslight.update.train" in graph["lldslight.module"]
     assert "lldslight.callbacks.rollout" in graph["lldslight.callbacks"]
 
 
@@ -141,8 +143,74 @@ def test_no_import_cycles():
     assert not found, "import cycles in lldslight:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+# The top of lldslight, bottom layer first (docs/architecture.md, Layers). A node may import those of
+# a lower layer only; a new folder or top-level module must be placed here.
+LAYERS: list[set[str]] = [
+    {"lldslight", "lldslight.errors", "lldslight.lazy", "lldslight.trajectory", "lldslight.rewards"},
+    {"lldslight.run"},
+    {"lldslight.policy"},
+    {"lldslight.update"},
+    {"lldslight.data"},
+    {"lldslight.retrieval"},
+    {"lldslight.rollout"},
+    {"lldslight.science"},
+    {"lldslight.callbacks"},
+    {"lldslight.module", "lldslight.sft"},
+    {"lldslight.cli"},
+]
+
+
+def top_level(module: str) -> str:
+    """``lldslight.run.writes`` -> ``lldslight.run``: the folder or top-level module it is in."""
+    return ".".join(module.split(".")[:2])
+
+
+def collapsed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph with each module replaced by its top-level folder or module (arrows inside one dropped)."""
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        out.setdefault(top_level(a), set())
+        for b in targets:
+            out.setdefault(top_level(b), set())
+            if top_level(a) != top_level(b):
+                out[top_level(a)].add(top_level(b))
+    return out
+
+
+def arrows_up(graph: dict[str, set[str]], layers: list[set[str]]) -> list[tuple[str, str]]:
+    """The arrows a -> b of a collapsed graph whose b sits on a higher layer than a, or on none."""
+    floor = {node: i for i, layer in enumerate(layers) for node in layer}
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if a not in floor or b not in floor or floor[b] > floor[a])
+
+
+def test_folders_form_cycles_that_no_pair_of_modules_shows():
+    """A folder-level cycle is found where the module graph has none, and so is an arrow up."""
+    graph = {"lldslight.a.x": {"lldslight.b.y"}, "lldslight.b.y": set(), "lldslight.b.z": {"lldslight.a.w"}, "lldslight.a.w": set()}
+    assert cycles(graph) == []
+    assert collapsed(graph) == {"lldslight.a": {"lldslight.b"}, "lldslight.b": {"lldslight.a"}}
+    assert cycles(collapsed(graph)) == [["lldslight.a", "lldslight.b", "lldslight.a"]]
+    assert arrows_up(collapsed(graph), [{"lldslight.a"}, {"lldslight.b"}]) == [("lldslight.a", "lldslight.b")]
+    assert arrows_up({"lldslight.a": {"lldslight.c"}}, [{"lldslight.a"}]) == [("lldslight.a", "lldslight.c")]  # c on no layer
+
+
+def test_the_top_of_the_package_has_no_cycle_and_no_arrow_up():
+    graph = collapsed(import_graph(ROOT))
+    assert {"lldslight.run", "lldslight.policy", "lldslight.update", "lldslight.cli"} <= set(graph)
+    assert "lldslight.run" in graph["lldslight.policy"] and "lldslight.policy" in graph["lldslight.update"]  # read, not empty
+    unplaced = sorted(set(graph) - set().union(*LAYERS))
+    assert not unplaced, f"place these in LAYERS (tests/test_import_graph.py) and docs/architecture.md: {unplaced}"
+    found = cycles(graph)
+    assert not found, "import cycles between lldslight's folders:\n" + "\n".join(" -> ".join(c) for c in found)
+    up = arrows_up(graph, LAYERS)
+    assert not up, "imports up the layers:\n" + "\n".join(f"{a} -> {b}" for a, b in up)
+
+
 if __name__ == "__main__":
-    found = cycles(import_graph(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))
+    graph = import_graph(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+    found = cycles(graph) + cycles(collapsed(graph))
     for c in found:
         print(" -> ".join(c))
-    sys.exit(1 if found else 0)
+    for a, b in arrows_up(collapsed(graph), LAYERS):
+        print(f"{a} -> {b} (up the layers)")
+    sys.exit(1 if found or arrows_up(collapsed(graph), LAYERS) else 0)

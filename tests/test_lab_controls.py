@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lldslight import objectives as obj
-from lldslight.update import minibatch_order
+from lldslight.update import objectives as obj
+from lldslight.update.train import minibatch_order
 
 
 def _rows(*rows: list[int], width: int = 7) -> tuple[torch.Tensor, torch.Tensor]:

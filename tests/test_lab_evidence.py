@@ -395,7 +395,7 @@ def test_alarm_numbers_are_the_validation_json() -> None:
 
 def test_two_search_demo_recomputed_independently() -> None:
     """docs/lab/demo_studies.md's two-search figures, recomputed from the archived evaluations by hand
-    (zip by position after sorting by question, not lldslight.evaluation.paired_change)."""
+    (zip by position after sorting by question, not lldslight.rollout.evaluation.paired_change)."""
     run = DEMO / "two_searches"
 
     def records(name: str) -> list[dict]:
@@ -440,7 +440,7 @@ def _as_shipped(arms: Path, n: int, t975_df2: float) -> dict:
 
 def _test_ems(arms: Path, seeds: range, n: int = 32) -> list[tuple[list[float], list[float]]]:
     """(EM before, EM after) per seed from an archived light-warm-start test, both sorted by
-    question, by hand (not lab/demo_seeds.py nor lldslight.evaluation.paired_change)."""
+    question, by hand (not lab/demo_seeds.py nor lldslight.rollout.evaluation.paired_change)."""
     out = []
     for seed in seeds:
         run = arms / f"n{n}_seed{seed}"

@@ -12,11 +12,12 @@ import pytest
 import torch
 import yaml
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.callbacks import LLDS, GradientSpikeGuard, SearchRollout
 from lldslight.module import GRPOModule
 from lldslight.trajectory import Trajectory
-from lldslight.update import LossContext, Totals, mean_valid_searches
+from lldslight.update import LossContext
+from lldslight.update.train import Totals, mean_valid_searches
 from lldslight.update import UpdateConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,7 +267,7 @@ def test_registers_once_and_refuses_a_second_llds():
 def _instantiate(*configs: str):
     from lightning.pytorch.cli import LightningCLI
 
-    from lldslight.cli import TRAINER_DEFAULTS
+    from lldslight.cli.lightning import TRAINER_DEFAULTS
     from lldslight.data.datamodule import SearchQADataModule
 
     args = [a for c in configs for a in ("--config", str(REPO / "configs" / c))]  # an absolute c stays as it is

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import tiny_policy_config
-from lldslight.logprobs import token_logprobs
+from lldslight.update.logprobs import token_logprobs
 from lldslight.rewards import ExactMatchReward
 from lldslight.rollout import RolloutConfig, RolloutEngine
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 from lldslight.update import UpdateConfig
 
 
@@ -67,7 +67,7 @@ def test_fused_logprob_values_and_gradients_equal_float64_log_softmax(temperatur
     float64 logits -> log_softmax -> gather, and -sum p log p: values and the gradient of a loss
     weighting each position's log-prob (and entropy, when it has a gradient) differently.
     "recompute" (a trainable head) also gives the weight's and the bias's gradients."""
-    from lldslight.logprobs import ChunkedLogprob
+    from lldslight.update.logprobs import ChunkedLogprob
 
     g = torch.Generator().manual_seed(0)
     n, H, V = 37, 16, 301
@@ -286,7 +286,8 @@ def test_packed_micro_batches_give_the_whole_batch_gradient(fixed_rollout, aggre
 
 def test_token_packing_groups_rows_by_length(fixed_rollout):
     from lldslight.module import GRPOModule
-    from lldslight.update import UpdateConfig, micro_batches
+    from lldslight.update import UpdateConfig
+    from lldslight.update.train import micro_batches
 
     module = GRPOModule(policy=tiny_policy_config(), update=UpdateConfig(micro_batch_tokens=100, shared_prefix=False))  # shared: test_shared_prefix.py
     rows = torch.arange(len(fixed_rollout))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from conftest import TINY_DIMS
-from lldslight.lora_forward import lean_adapters
+from lldslight.policy.lora_forward import lean_adapters
 from lldslight.policy import LoRAConfig, PolicyConfig, load_policy, precision_autocast
 
 
@@ -110,7 +110,7 @@ def test_peft_forward_is_back_after_an_error():
 def test_the_samplers_tokens_and_logprobs_are_unchanged(greedy, bm25, protocol_examples, monkeypatch):
     """The engine under bf16-mixed (the adapter path): the same token ids and sampled log-probs
     with the lean forward as with peft's (lean_forward patched to refuse every layer)."""
-    import lldslight.lora_forward as lora_forward
+    import lldslight.policy.lora_forward as lora_forward
     from lldslight.rewards import ExactMatchReward
     from lldslight.rollout import RolloutConfig, RolloutEngine
 

@@ -1,4 +1,4 @@
-"""lldslight/metric_rules.py: one table of how each metric is reduced across ranks and over a
+"""lldslight/run/metric_rules.py: one table of how each metric is reduced across ranks and over a
 step's updates. Checked against a hand-written table of keys from docs/metrics.md, against the
 key-name conventions the sites used before the table (the same values logged), against every key
 docs/metrics.md and the source name, and against the page's section on it. That every key a real
@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_docs import METRICS_PAGE, source_keys
 
-from lldslight import metric_rules as mr
-from lldslight.update import RolloutUpdates
+from lldslight.run import metric_rules as mr
+from lldslight.update.train import RolloutUpdates
 
 # key: (across ranks, over updates; None = logged once per step), by hand from docs/metrics.md
 EXPECTED = {
@@ -72,7 +72,7 @@ EXPECTED = {
     "sft/loss": ("mean", None),
 }
 
-# What the update's channels held before the table (update.py: RolloutUpdates.summed): the keys
+# What the update's channels held before the table (update/train.py: RolloutUpdates.summed): the keys
 # the module summed over ranks by channel rather than by name.
 SUMMED_CHANNEL = {"train/loss", "train/pg_loss", "train/kl", "train/clip_frac", "train/entropy", "train/ratio_max",
                   "train/nonfinite_tokens", "train/nonfinite_loss", "rollout/logp_mismatch", "rollout/logp_mismatch_kl",
@@ -123,7 +123,7 @@ def test_every_documented_and_every_source_key_has_a_rule():
     assert {"train/reward", "alarm/x_crossed", "val_after/em/x", "sft/loss"} <= documented
     found = set(source_keys())
     missing = sorted(k for k in documented | found if mr.rule_for(k) is None)
-    assert not missing, "no rule in lldslight/metric_rules.py for: " + ", ".join(missing)
+    assert not missing, "no rule in lldslight/run/metric_rules.py for: " + ", ".join(missing)
 
 
 def test_the_page_names_every_rule():
@@ -150,7 +150,7 @@ def test_step_metrics_combine_updates_by_the_rules():
 
 
 def test_micro_batches_combine_by_the_rules():
-    from lldslight.update import _combine
+    from lldslight.update.train import _combine
 
     assert _combine(mr.reduction("train/ratio_max"), torch.tensor(2.0), torch.tensor(5.0)) == 5.0
     assert float(_combine(mr.reduction("train/loss"), torch.tensor(2.0), torch.tensor(5.0))) == 7.0

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 
 
 def test_group_advantages_unbiased_std_and_equal_groups():

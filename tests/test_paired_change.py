@@ -4,7 +4,7 @@ import math
 import pytest
 from scipy import stats
 
-from lldslight.evaluation import paired_change
+from lldslight.rollout.evaluation import paired_change
 
 
 def rec(q: str, em: float, source: str = "nq", gold=("a",)) -> dict:

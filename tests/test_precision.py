@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from conftest import TINY_DIMS
-from lldslight import frozen_prefix, update
+from lldslight.update import frozen_prefix, train as update
 from lldslight.errors import ConfigError
-from lldslight.logprobs import ChunkedLogprob, token_logprobs
+from lldslight.update.logprobs import ChunkedLogprob, token_logprobs
 from lldslight.policy import Bf16Support, LoRAConfig, PolicyConfig, load_policy, resolve_precision, sampling_weights
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 from lldslight.update import UpdateConfig
 
 U16 = 2.0**-8
@@ -233,17 +233,17 @@ def test_bf16_mixed_skips_peft_input_casts_without_changing_the_arithmetic():
 
 
 def test_auto_without_native_bf16_is_fp32(monkeypatch, capsys):
-    import lldslight.policy as policy
+    import lldslight.policy.precision as precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(policy, "cpu_bf16_support", lambda: Bf16Support(False, "cpu", "/proc/cpuinfo: no avx512_bf16 / amx_bf16"))
-    monkeypatch.setattr(policy, "_ANNOUNCED", set())
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: Bf16Support(False, "cpu", "/proc/cpuinfo: no avx512_bf16 / amx_bf16"))
+    monkeypatch.setattr(precision, "_ANNOUNCED", set())
     model, _ = load_policy(_config("auto"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("lldslight: policy.precision fp32 (auto: no native bf16 on this CPU") and "avx512_bf16" in line
 
-    monkeypatch.setattr(policy, "cpu_bf16_support", lambda: Bf16Support(True, "cpu", "torch.cpu: avx512_bf16"))
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: Bf16Support(True, "cpu", "torch.cpu: avx512_bf16"))
     model, _ = load_policy(_config("auto"))
     assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert "policy.precision bf16-mixed (auto: native bf16 on this CPU" in capsys.readouterr().err
@@ -251,7 +251,7 @@ def test_auto_without_native_bf16_is_fp32(monkeypatch, capsys):
 
 def test_cpu_detection_agrees_with_proc_cpuinfo():
     """torch's CPUID answer and the kernel's flags agree on this machine (either way)."""
-    from lldslight.policy import _proc_cpu_flags, cpu_bf16_support
+    from lldslight.policy.precision import _proc_cpu_flags, cpu_bf16_support
 
     flags = _proc_cpu_flags()
     if not flags or "avx512f" not in flags and "avx2" not in flags:
@@ -342,7 +342,7 @@ def test_on_policy_ratio_is_one_and_llds_zero(precision, bm25, protocol_examples
     """A real step (rollouts from the policy itself, 2 updates, LLDS on every update): on the
     on-policy mini-batch the ratio is exactly 1 and LLDS exactly 0, in bf16 as in fp32; the
     off-policy one moved (the test can tell)."""
-    from lldslight import objectives as obj
+    from lldslight.update import objectives as obj
     from lldslight.callbacks import LLDS
     from lldslight.module import GRPOModule
 
@@ -428,7 +428,7 @@ def test_fsdp2_trains_in_bf16_mixed(tmp_path):
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "lldslight.cli", "fit", "--config", "configs/tiny.yaml", "--model.policy.dtype", "null",
            "--model.policy.precision", "bf16-mixed", "--trainer.devices", "2", "--trainer.max_steps", "1",
-           "--trainer.strategy", "{class_path: lldslight.distributed.FSDP2Strategy}", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+           "--trainer.strategy", "{class_path: lldslight.policy.distributed.FSDP2Strategy}", "--trainer.logger.init_args.save_dir", str(tmp_path)]
     env = {**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

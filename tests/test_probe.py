@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_policy_config
 from run_helpers import ParityReward
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.callbacks.probe import LLDProbe
 from lldslight.data.formats import load_examples
 from lldslight.module import GRPOModule

@@ -20,7 +20,7 @@ import torch
 from lldslight.policy import LoRAConfig, PolicyConfig, PolicyLoadError, load_policy, quantized_linears
 from run_helpers import KILL, TINY_RUN_HEAD
 from tests.conftest import ROOT, TINY_DIMS
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 bnb = pytest.importorskip("bitsandbytes", minversion="0.50")
 KINDS = ["nf4", "int8"]
@@ -103,7 +103,7 @@ def test_sampler_follows_the_adapter_on_a_quantized_base(kind, bm25, protocol_ex
     """The sampled tokens' log-probs must be the trainer's (adapter on), not the base policy's.
     Folding the delta into bitsandbytes weights failed here: nf4 raised (packed shape), int8 rounded
     the delta away and sampled the base policy (log-probs 0.76 off the trainer's)."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
     from lldslight.rollout import RolloutConfig, RolloutEngine
 
     model, tok = qlora_policy(kind, adapter_std=0.3)
@@ -132,7 +132,7 @@ def test_gradients_through_quantized_layers_match_the_dequantized_base(kind):
     dequantized weights (transformers' dequantize) with the same adapter, also after an eval-mode
     forward (evaluation, monitoring): on an AVX512-BF16 CPU bitsandbytes would then switch a 4-bit
     layer for good to a bf16 kernel without autograd, and the adapters' gradients were 98% off."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
 
     model, _ = qlora_policy(kind, adapter_std=0.3)
     ref, _ = load_policy(qlora_config(kind), dequantize=True)
@@ -157,7 +157,7 @@ def test_gradients_through_quantized_layers_match_the_dequantized_base(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_update_moves_the_adapter_and_leaves_the_quantized_base(kind):
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
 
     model, _ = qlora_policy(kind)
     model.train()
@@ -235,7 +235,7 @@ def trained_policy(ckpt_path: Path, precision: str | None = None):
     """The policy a checkpoint trained: the quantized base rebuilt from the checkpoint's policy
     config, its adapter loaded, bitsandbytes' training kernels (LoRA dropout 0); computing in
     ``precision`` when given, else as training did."""
-    from lldslight.export import load_checkpoint, policy_from_hparams
+    from lldslight.policy.export import load_checkpoint, policy_from_hparams
 
     checkpoint = load_checkpoint(ckpt_path)
     policy = policy_from_hparams(checkpoint["hyper_parameters"]["policy"])
@@ -251,7 +251,7 @@ def export_matches_training(ckpt_path: Path, out: Path) -> None:
     trained policy's logits."""
     from transformers import AutoModelForCausalLM
 
-    from lldslight.export import main as export_main
+    from lldslight.policy.export import main as export_main
 
     assert export_main(["--ckpt", str(ckpt_path), "--out", str(out), "--dtype", "float32"]) == 0
     exported = AutoModelForCausalLM.from_pretrained(out)

@@ -144,7 +144,7 @@ def test_old_keys_keep_the_old_rule_and_settings_of_the_other_rule_are_refused()
         AdaptiveRate(target_kl=0.001, rule="bang_bang", gain=0.1)
     with pytest.raises(ConfigError, match=r"AdaptiveRate.rule must be 'log_pi' or 'bang_bang', got 'pid'"):
         AdaptiveRate(target_kl=0.001, rule="pid")
-    with pytest.raises(ConfigError, match=r"AdaptiveRate.signal_free must be 'hold' or 'react'"):
+    with pytest.raises(ConfigError, match=r"AdaptiveRate.signal_free must be 'hold', 'react' or 'cut', got 'skip'"):
         AdaptiveRate(target_kl=0.001, signal_free="skip")
     with pytest.raises(ConfigError, match=r"AdaptiveRate.gain must be > 0"):
         AdaptiveRate(target_kl=0.001, gain=0.0)
@@ -269,7 +269,7 @@ def test_a_rate_set_on_resume_becomes_the_base(capsys):
     second, again = Run(), controller()
     second.restore(again, ckpt)
     # what GRPOModule.on_train_start does with --resume_override of model.optim.lr
-    from lldslight.optim import set_learning_rate
+    from lldslight.update.optim import set_learning_rate
     set_learning_rate(second.optimizer, second.scheduler, 2e-4)
     again.on_train_batch_start(second.trainer, second.module, None, 0)
     assert (again.base, again.scale, again.integral) == ([2e-4], 1.0, 0.0)
@@ -403,7 +403,7 @@ def test_the_preset_composes_after_a_recipe(recipe, tmp_path, monkeypatch):
                         "--trainer.logger.init_args.save_dir", str(tmp_path)])
     (cb,) = [c for c in cli.trainer.callbacks if isinstance(c, AdaptiveRate)]
     preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
-    assert (cb.rule, cb.signal_free, cb.max_scale, cb.lr_max, cb.start_scale) == ("log_pi", "hold", 1.0, math.inf, 0.125)
+    assert (cb.rule, cb.signal_free, cb.max_scale, cb.lr_max, cb.start_scale) == ("log_pi", "cut", 1.0, math.inf, 0.125)
     assert cb.target_kl == cli.model.update_config.target_kl == preset["model"]["update"]["target_kl"]
     assert cli.model.update_config.updates_per_rollout >= 2
     assert cli.model.optim_config.lr == yaml.safe_load((ROOT / recipe).read_text())["model"]["optim"]["lr"]
@@ -419,7 +419,7 @@ REGISTERED_PRESET = {
 
 
 def test_the_shipped_preset_is_the_registered_one_plus_its_start_phase():
-    """configs/stable.yaml is the preset C3 tested plus start_scale 1/8 (and nothing else)."""
+    """configs/stable.yaml is the preset C3 tested plus start_scale 1/8 and signal_free cut (and nothing else)."""
     import copy
 
     import yaml
@@ -428,7 +428,7 @@ def test_the_shipped_preset_is_the_registered_one_plus_its_start_phase():
 
     preset = yaml.safe_load((ROOT / "configs/stable.yaml").read_text())
     want = copy.deepcopy(REGISTERED_PRESET)
-    want["trainer"]["callbacks+"][0]["init_args"]["start_scale"] = 0.125
+    want["trainer"]["callbacks+"][0]["init_args"].update(start_scale=0.125, signal_free="cut")
     assert preset == want
 
 

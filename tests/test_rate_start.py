@@ -66,13 +66,51 @@ def test_the_start_phase_ends_at_the_ceiling_and_cuts_hard_on_a_large_or_unmeasu
     assert (lost.scale, lost.starting) == (pytest.approx(1e-2), False)
 
 
-def reference(seq, start, lo, hi, gain=0.1, down=0.25, clip=1.0):
+def test_tied_batches_that_drift_past_the_target_cut_by_hand():
+    """``signal_free: cut``: the demo run the preset lost (CALIBRATION_real_lm_C.md) reached its ceiling,
+    then every group tied and Adam's momentum drifted 4-7x the target on held batches."""
+    cb = started(start_scale=0.125, signal_free="cut")
+    steps = [
+        # (KL, signal, scale after, starting after), worked out by hand (T = 1e-3, gain 0.1, down_gain 0.25):
+        (2e-4, True, 0.25, True),  # under the target: doubled
+        (3e-3, False, 0.14433756729740646, False),  # tied, 3x the target: ends the phase, 0.25 x sqrt(1/3)
+        (5e-4, False, 0.14433756729740646, False),  # tied, under the target: held (a tie never raises)
+        (0.0, False, 0.14433756729740646, False),  # tied, nothing moved: held
+        (4e-3, False, 0.10171296457345560, False),  # tied, 4x: e = 1, z = ln s - 0.1, scale = s e^-0.35
+        (T * math.exp(-1), True, 0.14433756729740646, False),  # with signal, e = -1: z back up by 0.1, no cut
+        (float("nan"), False, 0.10171296457345560, False),  # tied and not measurable: e = +1, as the 4x batch
+    ]
+    for i, (kl, signal, scale, starting) in enumerate(steps):
+        cb.observe(kl, signal, BASE)
+        assert (cb.scale, cb.starting) == (pytest.approx(scale, rel=1e-12), starting), i
+    assert 0.25 / math.sqrt(3) == pytest.approx(0.1443375673, rel=1e-9) and 0.25 / math.sqrt(3) * math.exp(-0.35) == pytest.approx(0.1017129646, rel=1e-9)
+    assert (cb.informative, cb.held) == (5, 2)
+    held = started(start_scale=0.125)  # the default, hold: the same tied batches move nothing
+    for kl, signal, _, _ in steps[1:5]:
+        held.observe(kl, signal, BASE)
+    assert (held.scale, held.starting, held.held) == (0.125, True, 4)
+
+
+def test_a_tied_batch_logs_its_error_only_when_it_was_read():
+    run = Run()
+    cb = controller(start_scale=0.125, signal_free="cut")
+    cb.setup(run.trainer, run.module, "fit")
+    run.step(cb, 2e-4, 1.0)  # read: doubled
+    run.step(cb, 5e-4, 0.0)  # tied, under: held, no error logged
+    run.step(cb, 3e-3, 0.0)  # tied, past: read, its error logged
+    errors = [d.get("drift/rate_error") for d in run.logged]
+    assert errors == [-1.0, None, 1.0], errors  # ln(3e-3 / 1e-3) = 1.10, clipped to error_clip 1
+    assert [d["drift/rate_held"] for d in run.logged] == [0.0, 1.0, 1.0]
+
+
+def reference(seq, start, lo, hi, gain=0.1, down=0.25, clip=1.0, signal_free="hold"):
     """The start phase and then log_pi, a second time from the docstring's formulas, in plain floats."""
     s, starting = start, start < 1
     z = math.log(s)
     out = []
     for kl, signal in seq:
-        if signal and kl != 0:
+        measurable = kl == kl and kl != math.inf
+        if (signal and kl != 0) or (signal_free == "cut" and not signal and (not measurable or kl > T)):
             if starting:
                 if kl == kl and kl != math.inf and kl < T:
                     ls = min(math.log(s) + math.log(2), hi)
@@ -90,17 +128,18 @@ def reference(seq, start, lo, hi, gain=0.1, down=0.25, clip=1.0):
     return out
 
 
+@pytest.mark.parametrize("signal_free", ["hold", "cut"])
 @pytest.mark.parametrize("start", [0.125, 0.5, 1 / 64])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_start_phase_matches_an_independent_implementation(start, seed):
+def test_the_start_phase_matches_an_independent_implementation(start, seed, signal_free):
     rnd = random.Random(seed)
     seq = [(T * 0.1, True)]  # one doubling first, so that every case passes through the phase
     for _ in range(150):
         kl = T * math.exp(rnd.gauss(-1.5, 2.0))
         kl = rnd.choice([kl, float("nan"), 0.0, float("inf")]) if rnd.random() < 0.05 else kl
         seq.append((kl, rnd.random() > 0.25))
-    cb = started(start_scale=start)
-    want = reference(seq, start, math.log(1e-5 / BASE), 0.0)
+    cb = started(start_scale=start, signal_free=signal_free)
+    want = reference(seq, start, math.log(1e-5 / BASE), 0.0, signal_free=signal_free)
     got = []
     for kl, signal in seq:
         cb.observe(kl, signal, BASE)
@@ -149,3 +188,18 @@ def test_an_old_checkpoint_has_no_start_phase_and_bad_start_scales_are_refused()
             controller(start_scale=bad)
     with pytest.raises(ConfigError, match=r"AdaptiveRate.start_scale must be 1 with rule bang_bang"):
         controller(rule="bang_bang", start_scale=0.5)
+
+
+@pytest.mark.parametrize("ceiling", ["2e-3", "4e-3"])
+def test_the_calibration_arms_are_the_shipped_preset_at_their_ceiling(ceiling):
+    """lab/configs/arms_real/slowstart_cut_*.yaml write the preset out (the lab runs arms on the real-model
+    recipe); they must stay configs/stable.yaml but for the ceiling, read here as plain YAML."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    preset = yaml.safe_load((ROOT / "configs" / "stable.yaml").read_text())
+    arm = yaml.safe_load((ROOT / "lab" / "configs" / "arms_real" / f"slowstart_cut_{ceiling}.yaml").read_text())
+    assert arm["trainer"] == preset["trainer"] and arm["model"]["update"] == preset["model"]["update"]
+    assert arm["model"]["optim"] == {"lr": float(ceiling)}
+    assert preset["trainer"]["callbacks+"][0]["init_args"]["signal_free"] == "cut"

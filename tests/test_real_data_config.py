@@ -19,7 +19,7 @@ CONFIG = ROOT / "configs" / "searchr1_cpu.yaml"
 
 def test_searchr1_cpu_config_instantiates_with_an_http_retriever():
     from lldslight.callbacks import SearchRollout
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lldslight.cli.lightning import TRAINER_DEFAULTS, _cli_class
     from lldslight.retrieval import HttpRetriever
 
     cli_cls, module_cls, datamodule_cls = _cli_class()

@@ -20,7 +20,7 @@ EXPECTED = {
 
 def _instantiate(args: list[str]):
     """The recipe through the real CLI, built but not run (what `lldslight fit` would construct)."""
-    from lldslight.cli import TRAINER_DEFAULTS, _cli_class
+    from lldslight.cli.lightning import TRAINER_DEFAULTS, _cli_class
 
     cli_cls, module_cls, datamodule_cls = _cli_class()
     return cli_cls(
@@ -53,12 +53,12 @@ def test_recipe_prints_its_config(recipe, capsys):
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_has_the_paper_hyperparameters_and_instantiates(recipe, tmp_path):
     from lldslight.callbacks import LLDS, SearchRollout
-    from lldslight.distributed import FSDP2Strategy
+    from lldslight.policy.distributed import FSDP2Strategy
     from lldslight.retrieval import HttpRetriever
 
     raw = yaml.safe_load(recipe.read_text())
     strategy = raw["trainer"]["strategy"]
-    assert strategy["class_path"] == "lldslight.distributed.FSDP2Strategy"
+    assert strategy["class_path"] == "lldslight.policy.distributed.FSDP2Strategy"
     assert isinstance(FSDP2Strategy(**strategy.get("init_args", {})), FSDP2Strategy)
     gpus = raw["trainer"]["devices"] * raw["trainer"]["num_nodes"]
     assert gpus == 4

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lldslight.distributed import reduce_over_ranks
+from lldslight.policy.distributed import reduce_over_ranks
 
 KINDS = {"a_sum": "sum", "b_mean": "mean", "c_max": "max", "d_min": "min"}
 RANK_VALUES = [{"a_sum": 1.0, "b_mean": 2.0, "c_max": 3.0, "d_min": -1.0},

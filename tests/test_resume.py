@@ -1,14 +1,14 @@
 """Exact resume: a tiny fit killed (SIGKILL) in the middle of a step and restarted with
 ``--ckpt_path last`` logs bit for bit the same metrics for the remaining steps as a run never
 interrupted, and ends with the same weights. (Sampling with LoRA folds the adapter into a copy of
-the weights, so the frozen base never drifts: policy.py ``sampling_weights``.) The resumed run skips
+the weights, so the frozen base never drifts: lldslight/policy/sampling.py ``sampling_weights``.) The resumed run skips
 ``eval_before_fit``: its weights are trained, so its evaluation would not be a "before" number.
 
 What has to survive for that: adapter weights, AdamW moments, the warm-up scheduler, the global
 step, the data position, every RNG stream (sampling uses torch's) and the state of the LLDMonitor
 (phase detector) and GradientSpikeGuard (window of gradient norms) callbacks, and with dynamic sampling
 the refill stream's position. The run directory is found
-by ``--ckpt_path last`` although the CSV logger numbers its runs (lldslight.checkpoint_io); the resumed
+by ``--ckpt_path last`` although the CSV logger numbers its runs (lldslight.run.checkpoint_io); the resumed
 run logs to the next version directory.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from lldslight.logprobs import token_logprobs
+from lldslight.update.logprobs import token_logprobs
 from lldslight.rewards import ExactMatchReward
 from lldslight.rollout import INVALID_ACTION, RolloutConfig, RolloutEngine
 

@@ -120,7 +120,7 @@ def test_a_resume_drops_the_rows_of_steps_it_trains_again(tmp_path):
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
-    from lldslight.run_dir import checkpoint_step, keep_metrics
+    from lldslight.run.run_dir import checkpoint_step, keep_metrics
 
     logger = CSVLogger(save_dir=str(tmp_path), name="run", version=0)
     run = Path(logger.log_dir)

@@ -1,4 +1,4 @@
-"""Shared-prefix updates (lldslight/shared_prefix.py): a group's common prompt encoded once gives the
+"""Shared-prefix updates (lldslight/update/shared_prefix.py): a group's common prompt encoded once gives the
 log-probs and EVERY trainable gradient of the plain forward, on multi-turn rows whose observations
 differ after the prompt, with LoRA and full fine-tuning, with and without activation checkpointing;
 and the packed forward really encodes each shared prefix once (its tokens are counted).
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import tiny_policy_config
-from lldslight import shared_prefix
-from lldslight.logprobs import token_logprobs
+from lldslight.update import shared_prefix
+from lldslight.update.logprobs import token_logprobs
 from lldslight.policy import load_policy
 
 REL = 1e-5
@@ -211,7 +211,8 @@ def test_plain_forward_where_sharing_cannot_apply():
     """Eager attention, left-padded rows: the plain forward (B x T tokens); an eager policy's
     micro-batches are cut as without sharing."""
     from lldslight.module import GRPOModule
-    from lldslight.update import UpdateConfig, micro_batches
+    from lldslight.update import UpdateConfig
+    from lldslight.update.train import micro_batches
 
     ids, attn, mask, groups, _ = hand_built()
     assert shared_prefix.pack_groups(ids, attn.flip(-1), groups) is None  # not right-padded

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from lldslight.errors import ConfigError
-from lldslight.update import Totals, UpdateConfig, micro_batch_loss
+from lldslight.update.train import Totals, micro_batch_loss
+from lldslight.update import UpdateConfig
 
 OLD = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.0, -3.0]], dtype=torch.float64)
 RAW_WEIGHT = torch.tensor([[1.5, 3.0, 1.0], [0.5, 1.0, 2.0]], dtype=torch.float64)  # pi_old / q per token

@@ -1,4 +1,4 @@
-"""One mini-batch, one loss, one gradient, however the mini-batch is cut (lldslight/update.py).
+"""One mini-batch, one loss, one gradient, however the mini-batch is cut (lldslight/update/train.py).
 
 Everything runs in float64, so that the tolerance measures the batching, not fp32 rounding.
 
@@ -23,7 +23,7 @@ import torch
 
 from update_parity import LENGTHS, make_setup, run
 from lldslight.update import UpdateConfig
-from lldslight.optim import OptimConfig
+from lldslight.update.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 KL_COEF, ENT_COEF, LLDS_COEF, EPS = 0.05, 0.01, 0.2, 0.2

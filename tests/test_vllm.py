@@ -140,7 +140,7 @@ def test_greedy_episodes_equal_the_engines_token_for_token(served, protocol_exam
 
 @needs_vllm
 def test_sampled_log_probs_are_the_trainers_and_a_seed_repeats_them(served, protocol_examples):
-    from lldslight.logprobs import token_logprobs as row_logprobs
+    from lldslight.update.logprobs import token_logprobs as row_logprobs
 
     backend, model, _ = served
     backend.config = backend.rules.config = _config(group_size=3, greedy=False, temperature=0.7)

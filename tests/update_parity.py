@@ -36,7 +36,7 @@ def make_setup(path: Path) -> dict:
     (1, 0); valid searches 2 1 0 1 | 3 1 2 0 (V = 1.25 over all rows, 1.0 and 1.5 per half).
     ``sample_logp`` = the policy's own log-probs + noise, so ratios are off 1 (some clipped) and
     LLDS gates open on the first update."""
-    from lldslight.logprobs import token_logprobs
+    from lldslight.update.logprobs import token_logprobs
     from lldslight.policy import load_policy
     from lldslight.trajectory import Trajectory
 
@@ -152,7 +152,7 @@ def run(setup: dict, rows: list[int], strategy="auto", devices: int = 1, **modul
     kw.update(module_kw)
     llds = LLDS(coef=0.2, skip_on_policy=False, answer_masking="official", normaliser=kw.pop("llds_normaliser", "preserving"))
     # The module takes its settings in groups: split the flat keys of these setups into them.
-    from lldslight.optim import OptimConfig
+    from lldslight.update.optim import OptimConfig
     from lldslight.update import UpdateConfig
 
     optim = {k: kw.pop(k) for k in list(kw) if k in OptimConfig.__dataclass_fields__}
@@ -188,7 +188,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(1)
     setup = torch.load(args.out / "setup.pt", weights_only=False)
-    strategy = "ddp" if args.strategy == "ddp" else __import__("lldslight.distributed", fromlist=["x"]).FSDP2Strategy()
+    strategy = "ddp" if args.strategy == "ddp" else __import__("lldslight.policy.distributed", fromlist=["x"]).FSDP2Strategy()
     kw = {"micro_batch_size": args.micro_batch_size}
     if args.micro_batch_tokens:
         kw["micro_batch_tokens"] = args.micro_batch_tokens

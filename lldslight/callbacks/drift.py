@@ -8,17 +8,26 @@ Gaussian policies; here the token-level estimate the update logs).
 
 Each training step, after the rollout batch's updates, it reads the batch's drift, the k3 estimate of
 KL(pi_old || pi_theta) on the last update's mini-batch before its step (``drift/kl_k3_last``,
-lldslight/update.py ``drift_shares``; reduced over ranks, so every rank decides alike), and sets the
+lldslight/update/train.py ``drift_shares``; reduced over ranks, so every rank decides alike), and sets the
 factor ``scale`` on the schedule's base rate ``base`` for the next rollout batch.
 
 **Batches without signal change nothing.** A rollout batch whose groups all tied (every advantage
 0), or whose drift was measured before any update with a non-zero gradient was applied, says nothing
-about the rate (``drift/signal`` = 0, lldslight/update.py ``drift_has_signal``): its KL is only the
+about the rate (``drift/signal`` = 0, lldslight/update/train.py ``drift_has_signal``): its KL is only the
 optimiser's momentum. Reading it as "room to move" raised the rate after every tied batch in the
 lab's registered controller set, and the next batch with signal was stopped early or cut back: a
 sawtooth. Such a batch leaves the rate and every state below unchanged and is counted
 (``drift/rate_held``). ``signal_free: react`` reads them like any other batch (the behaviour of
 earlier versions, kept to reproduce the archived runs).
+
+**But a tied batch can still move the policy too far** (``signal_free: cut``, the preset's): with every
+advantage 0 the gradient is 0, yet Adam keeps stepping along its momentum at the current rate. On the
+demo the preset's start phase reached a ceiling 4x the demo's rate, every group then tied, and six
+held batches in a row drifted 4-7x the target until the run was lost
+(lab/archive/collapse/CALIBRATION_real_lm_C.md). With ``cut``, a batch without signal whose KL is
+above the target (or not finite) is read as a batch with signal would be, so it can only lower the
+rate (an error > 0; in the start phase it ends the phase with its cut); at or under the target it is
+held as with ``hold``: a tie never raises the rate.
 
 **The rule ``log_pi`` (the default)**: a proportional-integral controller on the log of the rate.
 Per rollout batch with signal, with KL the measured drift and T = ``target_kl``::
@@ -97,10 +106,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight.errors import ConfigError, require, require_choice
-from lldslight.optim import scheduler_of, set_learning_rate
+from lldslight.update.optim import scheduler_of, set_learning_rate
 
 RateRule = Literal["log_pi", "bang_bang"]
-SignalFree = Literal["hold", "react"]
+SignalFree = Literal["hold", "react", "cut"]
 
 # The defaults of each rule's own settings (None in the signature: "the rule's default").
 BANG_BANG = {"factor": 1.5, "high": 2.0, "low": 0.5, "lr_max": 1e-3}
@@ -136,7 +145,9 @@ class AdaptiveRate(pl.Callback):
         error_clip: ``log_pi``: the error ln(KL / target) is clipped to +-this (default 1).
         max_scale: ``log_pi``: the cap on the scale (default 1: never above the configured rate).
         signal_free: ``hold`` (default): a rollout batch without signal (``drift/signal`` 0) changes
-            nothing; ``react``: read it like any other (earlier versions; to reproduce their runs).
+            nothing; ``cut`` (the preset's): such a batch whose KL is above the target lowers the rate
+            as a batch with signal would, one at or under it changes nothing; ``react``: read it like
+            any other (earlier versions; to reproduce their runs).
         start_scale: ``log_pi``: a fresh run starts at this fraction of the ceiling and doubles it per
             batch with signal under the target, until the first batch at or above the target (cut
             by sqrt(target / KL)) or the ceiling (default 1: no start phase; the preset's 0.125).
@@ -191,7 +202,7 @@ class AdaptiveRate(pl.Callback):
         self.base: Optional[list[float]] = None  # the configured base rates (scale 1), from the first step
         self.last_kl: Optional[float] = None
         self.last_error: Optional[float] = None
-        self.informative = 0  # rollout batches with signal the rule read
+        self.informative = 0  # rollout batches the rule read (with signal; with ``cut`` also tied ones past the target)
         self.held = 0  # rollout batches without signal that left everything unchanged
         self.starting = False  # in the start phase (set at a fresh run's first batch when start_scale < 1)
         self.saved_settings: Optional[dict[str, Any]] = None  # the settings of the run a checkpoint came from
@@ -231,8 +242,12 @@ class AdaptiveRate(pl.Callback):
     def observe(self, kl: float, signal: bool, base: float) -> float:
         """Take one rollout batch's drift into the state; returns the scale for the next batch. With
         ``signal_free: hold`` a batch without signal, or whose KL is exactly 0 (nothing moved on its
-        tokens: TorchRL's KL-adaptive schedule skips those too), changes nothing and is counted."""
-        if self.signal_free == "hold" and (not signal or kl == 0):
+        tokens: TorchRL's KL-adaptive schedule skips those too), changes nothing and is counted. With
+        ``signal_free: cut`` the same, except a batch without signal that drifted past the target (or
+        whose KL is not finite): that one is read, and can only lower the rate."""
+        quiet = not signal or kl == 0
+        past = not math.isfinite(kl) or kl > self.target_kl
+        if self.signal_free != "react" and quiet and not (self.signal_free == "cut" and not signal and past):
             self.held += 1
             return self.scale
         self.informative += 1
@@ -276,7 +291,7 @@ class AdaptiveRate(pl.Callback):
         require(updates is None or updates >= 2, "model.update.updates_per_rollout", ">= 2 with AdaptiveRate", updates,
                 "the drift is measured before each update's step, so with one update per rollout batch it is 0 by "
                 "construction and says nothing about the rate (one update per batch is on-policy: no rate bound is needed)")
-        from lldslight.update import DRIFT_PER_UPDATE
+        from lldslight.update.train import DRIFT_PER_UPDATE
 
         known = sorted({*DRIFT_PER_UPDATE, *(f"{k}_last" for k in DRIFT_PER_UPDATE), SIGNAL, "drift/updates", "drift/stopped"})
         require(not self.metric.startswith("drift/") or self.metric in known, "AdaptiveRate.metric",
@@ -345,16 +360,17 @@ class AdaptiveRate(pl.Callback):
         require(kl is not None, "AdaptiveRate.metric", "a metric the step logged (GRPOModule's update logs "
                 "'drift/kl_k3_last', the default)", self.metric)
         signal = metrics.get(SIGNAL)
-        if self.signal_free == "hold" and signal is None:
+        if self.signal_free != "react" and signal is None:
             raise ConfigError(f"AdaptiveRate: the step logged no {SIGNAL!r} (a module from before it?); "
                               "set signal_free: react to read every batch")
+        read_before = self.informative
         self.observe(float(kl), bool(signal) if signal is not None else True, max(self.base))
         set_learning_rate(pl_module.optimizers(use_pl_optimizer=False), scheduler_of(trainer), [b * self.scale for b in self.base])
         logged = {"drift/lr_scale": self.scale, "drift/target_kl": self.target_kl, "drift/rate_held": float(self.held)}
         if self.rule == "log_pi":
             logged["drift/rate_integral"] = self.integral
             logged["drift/rate_starting"] = float(self.starting)
-            if self.last_error is not None and (signal or self.signal_free == "react"):
+            if self.last_error is not None and self.informative > read_before:  # only a batch the rule read
                 logged["drift/rate_error"] = self.last_error
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 

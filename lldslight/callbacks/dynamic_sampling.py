@@ -1,7 +1,7 @@
 """Deprecated: ``DynamicSampling``, kept so that configs naming it still run.
 
 Dynamic sampling is an option of the rollout callback, ``SearchRollout(dynamic_sampling={enabled:
-true, max_rounds: N})`` (the algorithm is lldslight/dynamic_sampling.py); from a config composed
+true, max_rounds: N})`` (the algorithm is lldslight/rollout/dynamic_sampling.py); from a config composed
 after the one that defines the SearchRollout, append ``SearchRolloutOptions`` with that option, as
 ``configs/dynamic_sampling.yaml`` does. The names below are re-exported from their new home.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from lightning.pytorch.utilities import rank_zero_deprecation
 
 from lldslight.callbacks.rollout import SearchRolloutOptions
-from lldslight.dynamic_sampling import DynamicSamplingConfig, SampleResult, mixed_groups, sample_mixed_groups
+from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig, SampleResult, mixed_groups, sample_mixed_groups
 
 __all__ = ["DynamicSampling", "DynamicSamplingConfig", "SampleResult", "mixed_groups", "sample_mixed_groups"]
 

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lldslight.errors import ConfigError, require
-from lldslight.events import log_event
+from lldslight.run.events import log_event
 
 SpikeAction = Literal["veto", "clip"]
 GiveUpAction = Literal["stop", "restore", "heal"]

@@ -47,10 +47,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lldslight.checkpoint_io import capture_rng, restore_rng
+from lldslight.run.checkpoint_io import capture_rng, restore_rng
 from lldslight.errors import ConfigError, require
-from lldslight.events import log_event
-from lldslight.optim import scheduler_of, set_learning_rate
+from lldslight.run.events import log_event
+from lldslight.update.optim import scheduler_of, set_learning_rate
 
 
 def _held(step: int) -> float:
@@ -368,7 +368,7 @@ class Heal(pl.Callback):
             self._anchor(pl_module, create=create_anchor)
 
     def _anchor(self, pl_module, create: bool) -> None:
-        from lldslight.policy import has_adapter
+        from lldslight.policy.load import has_adapter
 
         if has_adapter(pl_module.policy):
             return  # the reference is the base model with the adapter off

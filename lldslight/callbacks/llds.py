@@ -1,7 +1,7 @@
 """LLDS: adds lambda * L_LLDS to the GRPO loss (docs/llds.md), as a callback composed in YAML.
 
 The formula is ``objectives.llds_penalty``; this file chooses its options, turns the rollout
-batch's V (computed once per rollout batch by update.py, over all ranks) into the LLDS-MA answer
+batch's V (computed once per rollout batch by update/train.py, over all ranks) into the LLDS-MA answer
 weight, registers the loss term and logs its diagnostics. "Official code" below is the authors'
 github.com/vengdeng/LLDS-On-Group-Relative-Policy-Optimization-Collapse-in-Search-R1
 (verl/workers/actor/dp_actor.py).
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.errors import ConfigError, require
 
 AnswerMasking = Literal["off", "fixed", obj.BetaRule]  # off, a fixed beta, or a beta rule of objectives.py

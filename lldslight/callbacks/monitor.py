@@ -44,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lldslight.science import diagnostics as diag
 from lldslight.errors import require
-from lldslight.metric_rules import reduction
+from lldslight.run.metric_rules import reduction
 
 WarningAction = Literal["none", "stop", "checkpoint"]
 
@@ -255,7 +255,7 @@ def neg_shared_share(traj) -> tuple[float, float]:
     A > 0 row of their group (objectives.shared_prefix_negatives: the paper's LLD route, where an
     incorrect response's negative gradient lands on a correct one's identical first actions), out
     of all model tokens of A < 0 rows; a mean over ranks as the other lld/* keys."""
-    from lldslight.objectives import shared_prefix_negatives
+    from lldslight.update.objectives import shared_prefix_negatives
 
     shared = shared_prefix_negatives(traj.input_ids, traj.attention_mask, traj.loss_mask, traj.group_id, traj.advantage)
     negative = traj.loss_mask & (traj.advantage < 0)[:, None]

@@ -25,9 +25,9 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lldslight import objectives as obj
+from lldslight.update import objectives as obj
 from lldslight.errors import ConfigError, require
-from lldslight.events import log_event
+from lldslight.run.events import log_event
 
 
 class LLDProbe(pl.Callback):

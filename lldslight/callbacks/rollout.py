@@ -11,14 +11,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from tqdm.auto import tqdm
 
-from lldslight import evaluation, stopping
-from lldslight.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
-from lldslight.distributed import reduce_over_ranks
-from lldslight.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
+from lldslight.rollout import evaluation
+from lldslight.run import stopping
+from lldslight.rollout.bounds import check_lengths, check_prompts, check_rows, device_memory, policy_shape
+from lldslight.policy.distributed import reduce_over_ranks
+from lldslight.rollout.dynamic_sampling import DynamicSamplingConfig, sample_mixed_groups
 from lldslight.errors import ConfigError, require
-from lldslight.metric_rules import reduction
-from lldslight.policy import load_tokenizer, resolve_model_dir
-from lldslight.preflight import check_retriever
+from lldslight.run.metric_rules import reduction
+from lldslight.policy.files import load_tokenizer, resolve_model_dir
+from lldslight.retrieval.base import check_retriever
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import ExactMatchReward, RewardCaller
 from lldslight.rollout import BackendFactory, GenerationBackend, RolloutConfig, RolloutEngine, SamplingSettings, WeightSync, eos_ids
@@ -47,7 +48,7 @@ class SearchRollout(pl.Callback):
         dynamic_sampling: ``{enabled: true, max_rounds: N}`` keeps only groups whose rewards differ
             and samples further prompts (the datamodule's ``refill_prompts``) until the batch is full
             of them, at most N extra rounds per step (DAPO, arXiv 2503.14476;
-            lldslight/dynamic_sampling.py). Off by default and in the paper recipes. From a config
+            lldslight/rollout/dynamic_sampling.py). Off by default and in the paper recipes. From a config
             composed on top of the one that defines this callback, append ``SearchRolloutOptions``
             (configs/dynamic_sampling.yaml).
         backend: the generation backend, by ``class_path`` (lldslight/rollout/backend.py): a class
@@ -223,7 +224,7 @@ class SearchRollout(pl.Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def _dynamic_batch(self, trainer, pl_module, engine: GenerationBackend, batch: Any):
-        """Dynamic sampling (lldslight/dynamic_sampling.py): the trajectory and the
+        """Dynamic sampling (lldslight/rollout/dynamic_sampling.py): the trajectory and the
         retrieval time of all its rounds; logs rollout/{rounds,kept_groups,dropped_groups,filled}."""
         datamodule = trainer.datamodule
         retrieval = [0.0]
@@ -271,7 +272,7 @@ class SearchRollout(pl.Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module, stage: str = "val") -> Optional[dict]:
         """Greedy rollouts over the val split, finished like Lightning's validation (one path:
-        lldslight/evaluation.py): records gathered over ranks, summary, ``{stage}_stepN`` report.
+        lldslight/rollout/evaluation.py): records gathered over ranks, summary, ``{stage}_stepN`` report.
         Returns evaluation.finish's result, or None without a datamodule."""
         datamodule = trainer.datamodule
         if datamodule is None:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
-from lldslight import evaluation
+from lldslight.rollout import evaluation
 
 
 def peak_rss_mb() -> float:
@@ -89,7 +89,7 @@ class RunSummary(pl.Callback):
 
         import torch
 
-        from lldslight.policy import cpu_description
+        from lldslight.policy.precision import cpu_description
 
         summary = {
             "wall_time_s": time.perf_counter() - self._start,

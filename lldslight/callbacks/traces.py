@@ -34,7 +34,7 @@ import lightning.pytorch as pl
 
 from lldslight.errors import ConfigError, UserError, require
 from lldslight.rollout.protocol import parse_action
-from lldslight.writes import check_writable, write_failure
+from lldslight.run.writes import check_writable, write_failure
 
 COLUMNS = ("step", "rollout", "group", "turn", "question", "gold", "action", "kind", "query", "observation", "answer",
            "reward", "advantage", "finish")

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _synth_args_from_config(path: str) -> dict:
-    from lldslight.config_files import load_file
+    from lldslight.run.config_files import load_file
 
     config = load_file(path)
     synth = ((config or {}).get("data") or {}).get("synthesize") if isinstance(config, dict) else None

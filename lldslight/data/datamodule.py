@@ -135,7 +135,7 @@ class TrainSampler(DistributedSampler):
         return self.num_batches * self.batch_size
 
 
-EVAL_PADDING = "__eval_padding__"  # data_source of the filler rows; lldslight.evaluation drops their records
+EVAL_PADDING = "__eval_padding__"  # data_source of the filler rows; lldslight.rollout.evaluation drops their records
 
 
 class ShardedEvalSampler(DistributedSampler):

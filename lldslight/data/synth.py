@@ -26,7 +26,7 @@ from lldslight.data.formats import (
     write_flashrag_jsonl,
     write_searchr1_parquet,
 )
-from lldslight.writes import check_writable, write_failure
+from lldslight.run.writes import check_writable, write_failure
 
 # Bump when the generator's output changes, so stale knowledge bases are regenerated.
 GENERATOR_VERSION = 1

@@ -1,10 +1,11 @@
 """The Retriever contract every backend honours (docs/architecture.md, Contracts), and the registry of backends
-by name ("bm25", "dense", "http") that the CLI and ``load_index`` use."""
+by name ("bm25", "dense", "http") that the CLI and ``load_index`` use; and :func:`check_retriever`, the
+retriever's proof that it answers, run before the policy loads (``SearchRollout.setup``)."""
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lldslight.errors import UserError
 
@@ -68,3 +69,22 @@ def retriever_class(name: str, indexed: bool = False) -> type:
         raise RetrievalError(f"retriever {name!r} builds no index (index kinds: {', '.join(retriever_names(indexed=True))})")
     module, _, cls = class_path.rpartition(".")
     return getattr(importlib.import_module(module), cls)
+
+
+def check_retriever(retriever: Any, topk: int) -> None:
+    """Make the retriever prove it can answer, without searching for anything real.
+
+    - an index-backed retriever (BM25, dense) opens its index now, building it on first use:
+      that reads and validates every corpus row (missing, empty or malformed corpus -> error
+      naming the file and line), work its first search would do anyway;
+    - an HTTP retriever sends one request with ``topk`` (Search-R1's API, so any compatible server
+      answers it): an unreachable URL or a server that refuses ``topk`` fails here;
+    - any other object with ``search`` is trusted as is.
+    """
+    probe = getattr(retriever, "probe", None)
+    if callable(probe):
+        probe(topk)
+        return
+    load = getattr(retriever, "load", None)
+    if callable(load):
+        load()

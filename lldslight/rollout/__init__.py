@@ -21,12 +21,21 @@ token-in/token-out. One concern per file:
   the config (never the model's generation_config);
 - sync.py: ``WeightSync``, the check after each update that the backend samples from the new weights.
 
+Around the rollouts, imported by their own path (``from lldslight.rollout.evaluation import
+paired_change``), absolute, and not re-exported here:
+
+- bounds.py: the sizes a user types (prompts, turns, rollout rows) against the model's context and
+  the machine's memory, checked before the weights load;
+- dynamic_sampling.py: dynamic sampling (DAPO), an option of ``SearchRollout``: further rounds until
+  enough groups have mixed rewards, the ranks agreeing;
+- evaluation.py: the records of evaluation rollouts, gathered over ranks and summarised.
+
 Imports go one way: backend.py and hf_generate.py import engine.py and the rest; engine.py imports
 episode.py, cache.py, compiled.py (which imports cache.py), protocol.py, settings.py and sync.py; episode.py imports answer.py, layout.py and
 protocol.py, which import none of the others; settings.py imports protocol.py, sync.py none of them.
 Inside the package they are relative, so an older copy of the package can be loaded beside this
-one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every public name is
-re-exported here: ``from lldslight.rollout import X`` is the import to use.
+one from its folder (benchmarks/generation.py ``--baseline-rollout``). Every public name of
+those files is re-exported here: ``from lldslight.rollout import X`` is the import to use.
 """
 from .answer import answer_token_span, token_texts
 from .backend import BackendFactory, GenerationBackend

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from lldslight.errors import require
-from lldslight.policy import decoder_and_head
+from lldslight.policy.load import decoder_and_head
 
 
 class RaggedCache(DynamicCache):

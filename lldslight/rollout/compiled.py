@@ -38,7 +38,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from lldslight.frozen_prefix import say_once
+from lldslight.update.frozen_prefix import say_once
 
 from .cache import Decoder
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from lldslight.data.example import QAExample
 from lldslight.errors import require, require_choice
-from lldslight.policy import sampling_weights
+from lldslight.policy.sampling import sampling_weights
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import RewardFn
 from lldslight.trajectory import Trajectory
@@ -182,7 +182,7 @@ class RolloutEngine:
         was_training = model.training
         model.eval()
         try:
-            from lldslight.distributed import gathered_generate
+            from lldslight.policy.distributed import gathered_generate
 
             with sampling_weights(model):
                 # Under FSDP2: weights gathered once for the whole batch (ranks decode different lengths).
@@ -199,7 +199,7 @@ class RolloutEngine:
         was_training = model.training
         model.eval()
         try:
-            from lldslight.distributed import gathered_generate
+            from lldslight.policy.distributed import gathered_generate
 
             def score() -> float:
                 decoder = Decoder(model)

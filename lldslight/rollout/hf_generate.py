@@ -24,7 +24,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from lldslight.data.example import QAExample
-from lldslight.policy import sampling_weights
+from lldslight.policy.sampling import sampling_weights
 from lldslight.retrieval.base import Retriever
 from lldslight.rewards import RewardFn
 from lldslight.trajectory import Trajectory

@@ -55,7 +55,7 @@ def policy_logprob(model: nn.Module, ids: list[int]) -> float:
 def token_logprobs(model: nn.Module, ids: list[int]) -> Tensor:
     """The log-prob of each of ``ids[1:]`` [n-1] (float64) under the policy's plain forward, in eval
     mode: what a backend with its own copy of the weights (VLLMGenerate) compares token by token."""
-    from lldslight.policy import precision_autocast
+    from lldslight.policy.precision import precision_autocast
 
     was_training = model.training
     model.eval()

@@ -453,7 +453,8 @@ class VLLMGenerate:
         if shared is not None:
             self.conn = shared
             return
-        from lldslight.policy import has_adapter, model_arithmetic
+        from lldslight.policy.load import has_adapter
+        from lldslight.policy.precision import model_arithmetic
 
         lora = self.weights == "lora"
         require(not lora or has_adapter(model), "model.policy.lora", "set with VLLMGenerate(weights: lora)", None,
@@ -684,7 +685,7 @@ def merged_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     base weight with the adapter's delta added). All of them, not only the changed ones: vLLM's
     in-place reload processes its layers whole (a fused q/k/v layer given only q would be left
     half loaded)."""
-    from lldslight.policy import has_adapter
+    from lldslight.policy.load import has_adapter
 
     if not has_adapter(model):
         return [(name, p.detach()) for name, p in model.named_parameters()]

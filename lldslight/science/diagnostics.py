@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lldslight.errors import require, require_choice
-from lldslight.objectives import action_sums
+from lldslight.update.objectives import action_sums
 
 SumCount = tuple[float, float]
 CorrectSet = Literal["positive_advantage", "reward"]

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from lldslight.science.collapse import read_metrics
 from lldslight.errors import ArgumentParser, UserError
-from lldslight.writes import write_failure
+from lldslight.run.writes import write_failure
 
 REQUIRED = ("train/reward", "lld/logp_pos", "lld/logp_neg", "train/entropy", "train/grad_norm")
 PHASE_COLOURS = {2: "#f5a623", 3: "#d0021b"}

@@ -34,8 +34,9 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from lldslight import frozen_prefix, shared_prefix
-from lldslight.policy import causal_lm, decoder_and_head, precision_autocast
+from lldslight.update import frozen_prefix, shared_prefix
+from lldslight.policy.load import causal_lm, decoder_and_head
+from lldslight.policy.precision import precision_autocast
 
 CHUNK_BYTES = 32 * 2**20  # one [chunk, V] fp32 buffer: 170 positions at V = 49k, 55 at 152k
 
@@ -220,9 +221,9 @@ def token_logprobs(
     ``chunk_size``: positions per vocabulary chunk (default: from ``chunk_bytes``, see
     :func:`chunk_positions`). ``entropy_grad=False``: the entropy is a detached diagnostic (no
     entropy bonus in the loss), computed in the forward only. ``groups`` [B]: rows with the same
-    value may share their common prefix of token ids, encoded once (lldslight/shared_prefix.py;
+    value may share their common prefix of token ids, encoded once (lldslight/update/shared_prefix.py;
     the same values and gradients); None runs every row in full. ``boundary``: the hidden state
-    entering the first trained layer, stored once per rollout batch (lldslight/frozen_prefix.py):
+    entering the first trained layer, stored once per rollout batch (lldslight/update/frozen_prefix.py):
     only the layers from there up run.
 
     Returns two [B, T] tensors in float32 (float64 for a float64 model), zero where ``mask`` is off

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 
 from lldslight.errors import ArgumentParser, CheckpointError
-from lldslight.policy import LoRAConfig, PolicyConfig
-from lldslight.preflight import check_checkpoint
-from lldslight.writes import check_out_dir
+from lldslight.policy.config import LoRAConfig, PolicyConfig
+from lldslight.run.checkpoint_io import check_checkpoint
+from lldslight.run.writes import check_out_dir
 
 
 def policy_from_hparams(value: Any) -> PolicyConfig:
@@ -41,7 +41,7 @@ def policy_from_hparams(value: Any) -> PolicyConfig:
 
 
 def load_checkpoint(path: Path) -> dict:
-    from lldslight.distributed import FSDPConfig
+    from lldslight.policy.distributed import FSDPConfig
 
     if path.is_dir():
         raise CheckpointError(
@@ -64,7 +64,8 @@ def load_checkpoint(path: Path) -> dict:
 def export(ckpt: str | Path, out: str | Path, dtype: Optional[str] = None, force: bool = False) -> Path:
     """Write the merged model and its tokenizer to ``out``; return ``out``. A non-empty ``out`` is
     written into only with ``force`` (checked before anything loads)."""
-    from lldslight.policy import export_dtype, load_policy, resolve_dtype, save_merged
+    from lldslight.policy.precision import export_dtype, resolve_dtype
+    from lldslight.policy.load import load_policy, save_merged
 
     ckpt, out = Path(ckpt), Path(out)
     check_out_dir(out, force, "--out", "the export")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from lldslight.errors import require
-from lldslight.hostmem import available_memory
+from lldslight.run.hostmem import available_memory
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,8 @@ def check_prompts(examples: Iterable[Any], tokenizer: Any, rollout: Any, shape: 
 def policy_shape(policy_cfg: Any) -> Optional[ModelShape]:
     """The shape of the policy ``policy_cfg`` builds, from its config.json (None for a model whose
     config says nothing of its context: the checks are skipped)."""
-    from lldslight.policy import model_config, resolve_precision
+    from lldslight.policy.files import model_config
+    from lldslight.policy.precision import resolve_precision
 
     config = model_config(policy_cfg)
     text = getattr(config, "text_config", None) or config

@@ -57,7 +57,7 @@ class Boundary:
 def _parts(model: nn.Module) -> Optional[tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]]:
     """(decoder, its layer list, its input embedding, its final norm), or None for an architecture
     whose decoder does not have them under the usual names (Llama, Qwen2, Mistral, Gemma...)."""
-    from lldslight.policy import decoder_and_head
+    from lldslight.policy.load import decoder_and_head
 
     try:
         decoder, _ = decoder_and_head(model)
@@ -75,7 +75,7 @@ def start_layer(model: nn.Module) -> tuple[Optional[int], str]:
     """(L, "") with L the lowest decoder layer with a trainable parameter, when L > 0 and nothing
     below it (the embeddings included) trains; else (None, why), ``why`` empty where reuse simply
     does not apply (every layer trains, or none does) and a reason to say where it cannot run."""
-    from lldslight.distributed import is_sharded
+    from lldslight.policy.distributed import is_sharded
 
     parts = _parts(model)
     if parts is None:
@@ -149,9 +149,9 @@ def compute(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, groups:
     """The hidden state entering layer ``start`` [B, T, H] of every row, computed in the
     micro-batches ``micro`` (row indices), each packed by its shared prefixes when ``groups`` is
     given and the model supports it. Zero at padding (no real token attends to a padding key)."""
-    from lldslight import shared_prefix
-    from lldslight.distributed import through_root
-    from lldslight.policy import precision_autocast
+    from lldslight.update import shared_prefix
+    from lldslight.policy.distributed import through_root
+    from lldslight.policy.precision import precision_autocast
 
     B, T = input_ids.shape
     out: Optional[Tensor] = None
@@ -183,7 +183,7 @@ def top_hidden(model: nn.Module, boundary: Tensor, start: int, input_ids: Tensor
     """The decoder's last hidden state from the stored ``boundary`` [b, T, H] (rows aligned with
     ``input_ids``), running layers ``start..N-1`` and the final norm: [N, H] over the packed
     sequence when ``layout`` is given, else [b, T, H]."""
-    from lldslight import shared_prefix
+    from lldslight.update import shared_prefix
 
     num_layers = len(_parts(model)[1])  # type: ignore[index]
     with layers_between(model, start) as decoder:

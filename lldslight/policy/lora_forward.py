@@ -1,7 +1,7 @@
 """LoRA layers' forward while sampling: peft's arithmetic without peft's per-call bookkeeping.
 
 Where the sampler runs the adapter path (a bf16 base, where W + delta cannot be held; FSDP2, where
-sharded weights cannot be rewritten: policy.py ``sampling_weights``), every decode step calls each
+sharded weights cannot be rewritten: policy/sampling.py ``sampling_weights``), every decode step calls each
 adapted Linear's peft forward: argument checks, the adapter-name and variant lookups, the merged /
 disabled branches, the input-cast check, then three module calls (base, A, B) and the dropout
 module. At decode sizes (8-32 rows) that bookkeeping costs as much as the adapter's own matmuls:
@@ -51,7 +51,7 @@ def lean_forward(layer: nn.Module) -> Optional[Callable[..., Tensor]]:
     if any(_hooked(m) for m in (base, lora_a, lora_b, dropout)):
         return None
     scaling = layer.scaling[name]
-    # peft casts the input to the adapter's dtype when its switch is on (policy.py turns it off
+    # peft casts the input to the adapter's dtype when its switch is on (policy/load.py turns it off
     # under bf16-mixed, where autocast casts at the matmul); its own check, so either is followed.
     cast = layer._cast_input_dtype
 

@@ -39,8 +39,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lldslight.errors import require
-from lldslight.metric_rules import REDUCTIONS
-from lldslight.policy import causal_lm
+from lldslight.run.metric_rules import REDUCTIONS
+from lldslight.policy.load import causal_lm
 
 T = TypeVar("T")
 DTypeName = Literal["float32", "bfloat16", "float16"]
@@ -195,7 +195,7 @@ def reduce_over_ranks(values: dict[str, float], kinds: dict[str, str], device: t
     waiting for another that raised) rather than logged unreduced."""
     bad = {k: kinds.get(k) for k in values if kinds.get(k) not in REDUCTIONS}
     require(not bad, "reduce_over_ranks: every key's reduction", f"one of {REDUCTIONS}", bad,
-            "lldslight/metric_rules.py names them")
+            "lldslight/run/metric_rules.py names them")
     if world_size() == 1:
         return dict(values)
     out = dict(values)
@@ -243,7 +243,7 @@ def data_parallel_mesh(mesh: Any, micro_batch_tokens: Optional[int], optimizer: 
     names = mesh.mesh_dim_names or ()
     tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
     require(tp <= 1, "ModelParallelStrategy.tensor_parallel_size", "1 (lldslight shards with FSDP2 over data "
-            "parallelism only)", tp, "use lldslight.distributed.FSDP2Strategy, or set data_parallel_size to the "
+            "parallelism only)", tp, "use lldslight.policy.distributed.FSDP2Strategy, or set data_parallel_size to the "
             "number of processes and tensor_parallel_size: 1")
     require(not micro_batch_tokens, "model.update.micro_batch_tokens", "null under FSDP2 (use "
             "model.update.micro_batch_size; packing works under strategy: ddp)", micro_batch_tokens,
@@ -258,10 +258,10 @@ def fsdp2_strategy_check(strategy: Any) -> None:
     """Refuse strategies whose sharding lldslight cannot drive correctly (see the module docstring)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    require(not isinstance(strategy, FSDPStrategy), "trainer.strategy", "class_path lldslight.distributed."
+    require(not isinstance(strategy, FSDPStrategy), "trainer.strategy", "class_path lldslight.policy.distributed."
             "FSDP2Strategy (FSDP2 through Lightning's ModelParallelStrategy) or ddp", type(strategy).__name__,
             "FSDP1 is not supported: lldslight calls the decoder and LM head directly and decodes a different "
-            "number of tokens on each rank, which it arranges for FSDP2 only (lldslight/distributed.py)")
+            "number of tokens on each rank, which it arranges for FSDP2 only (lldslight/policy/distributed.py)")
 
 
 class FSDP2Strategy(ModelParallelStrategy):

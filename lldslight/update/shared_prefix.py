@@ -256,7 +256,7 @@ def install() -> None:
 def supported(model: nn.Module) -> bool:
     """Whether ``model``'s attention can run split: plain causal sdpa over full attention in every
     layer (no sliding window, no soft-capping; eager, flash and flex attention run the plain path)."""
-    from lldslight.policy import causal_lm
+    from lldslight.policy.load import causal_lm
 
     config = getattr(causal_lm(model), "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":

@@ -43,11 +43,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lldslight import hostmem, shared_prefix
-from lldslight import objectives as obj
-from lldslight.distributed import all_ranks_agree, sum_over_ranks, world_size
+from lldslight.run import hostmem
+from lldslight.update import shared_prefix
+from lldslight.update import objectives as obj
+from lldslight.policy.distributed import all_ranks_agree, sum_over_ranks, world_size
 from lldslight.errors import require
-from lldslight.metric_rules import logged_name, over_updates, reduction
+from lldslight.run.metric_rules import logged_name, over_updates, reduction
 from lldslight.trajectory import Trajectory
 
 

@@ -62,7 +62,7 @@ def build_optimizer(params: list, config: OptimConfig, max_steps: int):
     """(optimizer, LambdaLR scheduler) for ``params`` (parameters, or torch's parameter-group
     dicts): the rate ramps linearly to ``config.lr`` over the warm-up, then stays. The scheduler steps once per training step (update.train_on_rollout)."""
     if config.optimizer == "adamw8bit":
-        from lldslight.policy import require_bitsandbytes
+        from lldslight.policy.load import require_bitsandbytes
 
         bnb = require_bitsandbytes("model.optim.optimizer: adamw8bit")
         optimizer = bnb.optim.AdamW8bit(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)

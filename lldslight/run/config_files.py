@@ -27,7 +27,7 @@ from typing import Any, Optional
 import yaml
 
 from lldslight.errors import ConfigError
-from lldslight.hostmem import available_memory
+from lldslight.run.hostmem import available_memory
 
 # The memory a parsed YAML node costs once lldslight's CLI holds it: PyYAML's node and Python object,
 # jsonargparse's Namespace entry and its deep copies (the parser copies a config several times),

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lldslight.data.example import QAExample
-from lldslight.distributed import all_ranks_agree, all_ranks_min
+from lldslight.policy.distributed import all_ranks_agree, all_ranks_min
 from lldslight.errors import require
 from lldslight.trajectory import Trajectory
 

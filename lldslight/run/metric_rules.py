@@ -2,11 +2,11 @@
 
 A step's metric is combined along up to three axes, and each site that combines reads its rule here:
 
-- **over micro-batches** (update.py, ``update``): a micro-batch records its *share* of a
+- **over micro-batches** (update/train.py, ``update``): a micro-batch records its *share* of a
   mini-batch value (a sum over its rows divided by a mini-batch total) or a count, so the shares
   of one update's micro-batches add up, except maxima; the rows of a mini-batch are split over
   micro-batches and over ranks alike, so this is the across-ranks rule of those keys;
-- **over the updates of a step** (update.py, ``RolloutUpdates.step_metrics``): :func:`over_updates`;
+- **over the updates of a step** (update/train.py, ``RolloutUpdates.step_metrics``): :func:`over_updates`;
 - **across ranks** (DDP, FSDP2): :func:`reduction`, read by ``GRPOModule._log_step``, LLDMonitor
   and SearchRollout.
 
@@ -25,7 +25,7 @@ that matches wins (:data:`RULES`, in that order). The reductions:
 - ``"min"``: the smallest over ranks (no metric uses it today).
 
 An update's metric no rule names (your loss term's or step gate's key) follows its channel
-(update.py): a loss term records a share or a count, summed; a step gate a value every rank
+(update/train.py): a loss term records a share or a count, summed; a step gate a value every rank
 shares, averaged. Anywhere else a key without a rule is a bug (:func:`reduction` raises KeyError;
 tests/test_metric_rules.py checks every key docs/metrics.md and the source name, tests/test_docs.py
 every key a real run logs). docs/metrics.md, "How metrics are reduced across ranks", is this table
@@ -59,7 +59,7 @@ RULES: tuple[Rule, ...] = (
     Rule("*_max", "max", "max", "a maximum stays a maximum"),
     Rule("time/*", "max", None, "a step takes as long as its slowest rank"),
     Rule("retrieval/breaker_open", "max", None, "1 when any rank's circuit breaker was open"),
-    # -- an update's shares of a mini-batch value, and counts (update.py: RolloutUpdates.summed) -------
+    # -- an update's shares of a mini-batch value, and counts (update/train.py: RolloutUpdates.summed) -------
     Rule("train/loss", "sum", "mean", "this rank's share of the mini-batch loss"),
     Rule("train/pg_loss", "sum", "mean", "share of the policy loss"),
     Rule("train/kl", "sum", "mean", "share of the KL estimate"),
@@ -71,7 +71,7 @@ RULES: tuple[Rule, ...] = (
     Rule("llds/loss", "sum", "mean", "LLDS's loss term: a share"),
     Rule("llds/active_actions", "sum", "mean", "a count per mini-batch"),
     Rule("llds/active_tokens", "sum", "mean", "a count per mini-batch"),
-    # -- drift of a rollout batch's updates (update.py: drift_shares, the drift bound; AdaptiveRate) ----
+    # -- drift of a rollout batch's updates (update/train.py: drift_shares, the drift bound; AdaptiveRate) ----
     Rule("drift/updates", "mean", "mean", "updates applied this step: ranks decide the drift bound alike"),
     Rule("drift/stopped", "mean", "mean", "1 when the drift bound stopped the step's updates: the same on every rank"),
     Rule("drift/signal", "mean", "mean", "1 when the step's drift measures its updates: ranks share it"),
@@ -79,7 +79,7 @@ RULES: tuple[Rule, ...] = (
     Rule("drift/target_kl", "mean", None, "AdaptiveRate's target: the same on every rank"),
     Rule("drift/rate_*", "mean", None, "AdaptiveRate's controller state (error, integral, held count): the same on every rank"),
     Rule("drift/*", "sum", "mean", "shares of a mini-batch token mean (and the last update's), added up over ranks"),
-    # -- an update's values that every rank shares (update.py: RolloutUpdates.shared) ------------------
+    # -- an update's values that every rank shares (update/train.py: RolloutUpdates.shared) ------------------
     Rule("train/grad_norm", "mean", "mean", "the global norm, the same on every rank"),
     Rule("train/vetoed_updates", "mean", "sum", "ranks agree on every veto; a step's vetoes add up"),
     Rule("guard/*", "mean", "mean", "the guard decides from the global norm, the same on every rank"),
@@ -129,7 +129,7 @@ def reduction(key: str, default: Optional[Reduction] = None) -> Reduction:
     if rule is not None:
         return rule.ranks
     if default is None:
-        raise KeyError(f"metric {key!r} has no reduction rule: add one to lldslight/metric_rules.py (and its row to docs/metrics.md)")
+        raise KeyError(f"metric {key!r} has no reduction rule: add one to lldslight/run/metric_rules.py (and its row to docs/metrics.md)")
     return default
 
 

@@ -5,7 +5,7 @@ with ``input_ids``: ``logp[b, t]`` is log pi(input_ids[b, t] | input_ids[b, :t])
 loss mask (1 on model-generated tokens only). Nothing here knows about Lightning or models.
 
 Every loss is a sum over the given rows' tokens (or rows) divided by a normaliser the caller
-passes in: the total of the whole mini-batch (lldslight/update.py), so that a mini-batch cut into
+passes in: the total of the whole mini-batch (lldslight/update/train.py), so that a mini-batch cut into
 micro-batches, packed by tokens or spread over ranks sums to the same loss and gradient.
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def policy_gradient_weight(advantage: Tensor, mask: Tensor, mode: NegativeAdvant
         return None
     if mode == "drop":
         return (advantage >= 0).to(torch.float32).unsqueeze(-1).expand(mask.shape)
-    if shared_prefix is None:  # the caller's contract (update.py passes it), not a setting: a bug
+    if shared_prefix is None:  # the caller's contract (train.py passes it), not a setting: a bug
         raise ValueError("policy_gradient_weight('unshared') needs the shared-prefix mask")
     return (~shared_prefix).to(torch.float32)
 

@@ -11,12 +11,16 @@
   every epoch start), so a resumed run draws the same random numbers as an uninterrupted one.
 - The trainable-keys check behind GRPOModule's trainable-only checkpoints.
 - ``--ckpt_path last`` for a logger that numbers its runs: pick the run that holds a last.ckpt.
+- The checks before a checkpoint is read (:func:`check_checkpoint`, :func:`checkpoint_problem`): a
+  missing, truncated or foreign file is named in one line with the newest valid checkpoint beside
+  it; the CLI checks ``--ckpt_path`` before LightningCLI reads the checkpoint's hyper-parameters.
 """
 from __future__ import annotations
 
 import os
 import random
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,8 +29,12 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lldslight.errors import CheckpointError
-from lldslight.writes import write_failure
+from lldslight.errors import CheckpointError, MissingFileError
+from lldslight.run.writes import write_failure
+
+LIGHTNING_KEY = "pytorch-lightning_version"
+# Values of --ckpt_path that Lightning resolves itself (not file paths).
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -48,8 +56,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except Exception as err:
             # A damaged file surfaces as OSError, RuntimeError("PytorchStreamReader ..."), EOFError, ...
             # Name it, and the newest valid checkpoint beside it, when our own reading finds it damaged.
-            from lldslight.preflight import checkpoint_error, checkpoint_problem
-
             local = Path(str(path).removeprefix("file://"))
             problem = checkpoint_problem(local) if "://" not in str(path).removeprefix("file://") and local.is_file() else None
             if problem is None:
@@ -132,8 +138,6 @@ def _what_is_kept(path: Path) -> str:
     """What a resume can use after the write of ``path`` failed: the file it was to replace, else
     the newest readable checkpoint beside it (a new ``epoch=0-step=2.ckpt`` fails while step 1's
     ``last.ckpt`` is there)."""
-    from lldslight.preflight import newest_valid_checkpoint
-
     if path.is_file():
         return f"the previous {path.name} is intact"
     newest = newest_valid_checkpoint(path.parent, exclude=path)
@@ -272,3 +276,80 @@ def resolve_last_checkpoint(config: Any, subcommand: str = "fit") -> None:
     config["ckpt_path"] = None
     rank_zero_only(lambda: print(f"[lldslight] --ckpt_path last: no earlier run has a checkpoint ({where} matches "
                                  "nothing); training from scratch", file=sys.stderr, flush=True))()
+
+
+# --------------------------------------------------------------------------- checks before a checkpoint is read
+
+
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a readable torch checkpoint, or None. Cheap: torch.save writes a zip
+    whose directory sits at the end (a truncated file has none), and the pickled object tree is
+    read and CRC-checked; the tensor bytes are left to the real load."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            pickles = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+            if not pickles:
+                return "no data.pkl inside: not a torch checkpoint"
+            size = path.stat().st_size
+            for info in z.infolist():
+                if info.header_offset + info.compress_size > size:
+                    return f"{info.filename} runs past the end of the file"
+            tree = z.read(pickles[0])
+    except zipfile.BadZipFile as e:
+        return f"truncated or not a torch checkpoint ({e})"
+    except (OSError, EOFError, RuntimeError, ValueError) as e:  # CRC errors are BadZipFile, short reads EOFError
+        return f"unreadable ({type(e).__name__}: {e})"
+    # Lightning reads this key first (a KeyError otherwise); pickle stores a dict's string keys as
+    # their UTF-8 bytes, so it is found without unpickling anything.
+    if LIGHTNING_KEY.encode() not in tree:
+        return (f"not a Lightning checkpoint (no {LIGHTNING_KEY!r}: a plain torch.save file?); lldslight fit writes "
+                "them to runs/NAME/version_N/checkpoints/")
+    return None
+
+
+def newest_valid_checkpoint(directory: Path, exclude: Optional[Path] = None) -> Optional[Path]:
+    """The most recently written readable ``*.ckpt`` in ``directory`` (not ``exclude``)."""
+    if not directory.is_dir():
+        return None
+    found = [p for p in directory.glob("*.ckpt") if p.is_file() and (exclude is None or p.resolve() != exclude.resolve())]
+    for p in sorted(found, key=lambda q: q.stat().st_mtime, reverse=True):
+        if checkpoint_problem(p) is None:
+            return p
+    return None
+
+
+def _alternative(path: Path) -> str:
+    other = newest_valid_checkpoint(path.parent, exclude=path)
+    if other is not None:
+        return f"; the newest valid checkpoint beside it is {other} (pass --ckpt_path {other})"
+    return f"; no other valid checkpoint in {path.parent}" if path.parent.is_dir() else ""
+
+
+def checkpoint_error(path: Path, problem: str) -> CheckpointError:
+    """The error for a bad checkpoint: its name, what is wrong, and the newest valid one beside it."""
+    return CheckpointError(f"checkpoint {path} is {problem}{_alternative(path)}")
+
+
+def check_checkpoint(ckpt_path: Any) -> None:
+    """A ``--ckpt_path`` that names a file must exist and be readable. Lightning's keywords
+    (last, best, ...) and remote URLs are left to Lightning."""
+    if ckpt_path is None:
+        return
+    text = str(ckpt_path)
+    if text in CKPT_KEYWORDS or "://" in text or text.startswith("registry:"):
+        return
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            return  # a sharded (distributed) checkpoint directory: Lightning's strategy reads it
+        inside = sorted(p.name for p in path.glob("*.ckpt"))
+        example = "last.ckpt" if "last.ckpt" in inside else (inside or [""])[-1]
+        holds = f"it holds {', '.join(inside[:4])}: pass one, e.g. --ckpt_path {path / example}" if inside else "it holds no *.ckpt file"
+        raise CheckpointError(f"--ckpt_path {path} is a directory, not a checkpoint file (nor a sharded checkpoint: no "
+                              f".metadata); {holds} (or --ckpt_path last for the newest run's last.ckpt)")
+    if not path.exists():
+        raise MissingFileError(f"checkpoint not found: {path}{_alternative(path)}")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise checkpoint_error(path, problem)
