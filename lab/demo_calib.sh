@@ -2,14 +2,16 @@
 # The demo half of lab/archive/collapse/CALIBRATION_real_lm_C.md: for each seed given, the shipped
 # demo and the preset (configs/stable.yaml, its start phase included) from 1x, 4x and 8x the demo's
 # rate, one run at a time, each archived as it ends (a run already archived is skipped, so an
-# interrupted sweep goes on where it stopped).
-#   bash lab/demo_calib.sh 6 7 8   -> lab/archive/demo/c_calib/<arm>/seed<S>/
+# interrupted sweep goes on where it stopped). The preset's runs are its second round (round2/: tied
+# batches past the target cut the rate); round 1's (tied batches held) are archived beside shipped/.
+#   bash lab/demo_calib.sh 6 7 8   -> lab/archive/demo/c_calib/shipped/seed<S>/, c_calib/round2/<arm>/seed<S>/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 archive=lab/archive/demo/c_calib
 for seed in "$@"; do
   for arm in shipped stable_5.0e-4 stable_2.0e-3 stable_4.0e-3; do
     dest="$archive/$arm/seed$seed"
+    [ "$arm" = shipped ] || dest="$archive/round2/$arm/seed$seed"
     if [ -f "$dest/summary.json" ]; then echo "[demo_calib] $arm seed $seed: archived already, skipped"; continue; fi
     version="${arm}_seed$seed"
     rm -rf "runs/demo/$version"

@@ -161,3 +161,29 @@ def test_t_table_matches_scipy() -> None:
     assert set(T975) >= set(range(1, 12))
     for df, q in T975.items():
         assert q == pytest.approx(float(t.ppf(0.975, df)), abs=6e-4), df
+
+
+def test_the_calibrations_first_round_reads_not_calibrated_from_its_archives(tmp_path):
+    """lab/calib_c.py --round 1 against the archived runs read here with json and csv: the preset from 4x
+    lost seed 8 (dev EM 0 after), so round 1 is "not calibrated" though runs of it were never made."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "round1.json"
+    done = subprocess.run([sys.executable, str(ROOT / "lab" / "calib_c.py"), "--round", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(out.read_text())
+    root = ROOT / "lab" / "archive" / "demo" / "c_calib"
+    lost = []
+    for summary in sorted(root.glob("stable_*/seed*/summary.json")):
+        with gzip.open(summary.parent / "metrics.csv.gz", "rt", newline="") as f:
+            answered = [float(r["train/answered_rate"]) for r in csv.DictReader(f) if r.get("train/answered_rate")]
+        if json.loads(summary.read_text())["dev_after"]["em"] == 0 or sum(answered[-10:]) / 10 < 0.5:
+            lost.append(f"{summary.parent.parent.name}/{summary.parent.name}")
+    assert lost == ["stable_2.0e-3/seed8"]
+    assert [k for k, v in got["demo"].items() if v and v["lost"]] == lost
+    assert got["checks"]["demo_4x_8x_not_lost"] is False and got["verdict"] == "not calibrated"
+    assert "stable_2.0e-3/seed6" in got["missing"]  # decided without it
