@@ -23,7 +23,7 @@ earlier versions, kept to reproduce the archived runs).
 **But a tied batch can still move the policy too far** (``signal_free: cut``, the preset's): with every
 advantage 0 the gradient is 0, yet Adam keeps stepping along its momentum at the current rate. On the
 demo the preset's start phase reached a ceiling 4x the demo's rate, every group then tied, and six
-held batches in a row drifted 4-7x the target until the run was lost
+held batches in a row drifted 1.4-7x the target until the run was lost
 (lab/archive/collapse/CALIBRATION_real_lm_C.md). With ``cut``, a batch without signal whose KL is
 above the target (or not finite) is read as a batch with signal would be, so it can only lower the
 rate (an error > 0; in the start phase it ends the phase with its cut); at or under the target it is
