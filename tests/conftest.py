@@ -17,6 +17,17 @@ TINY_DIMS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# The longest files first: pytest-xdist (--dist loadfile) hands files out in collection order, so a
+# long file collected last would run alone at the end while the other workers idle. The vLLM files
+# (a server start and a protocol-trained model: ~6 minutes on one 2-core worker) are the longest.
+LONGEST_FIRST = ("test_vllm.py", "test_bench_vllm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every other file keeps its order
+
+
 def load_benchmark(name: str) -> ModuleType:
     """A script under benchmarks/ imported as the module ``benchmarks.<name>``, to test its pieces."""
     return importlib.import_module(f"benchmarks.{name}")

@@ -54,7 +54,7 @@ SIGILL = (-signal.SIGILL, 128 + signal.SIGILL)
 def _vllm_unavailable() -> str:
     """Why vLLM's environment cannot be used here ('' when it can); asked once per session (an import of vLLM takes seconds)."""
     if not VLLM_PYTHON.is_file():
-        return f"{VLLM_PYTHON.relative_to(ROOT)} is missing (LLDSLIGHT_TEST_VLLM=1 bash scripts/test.sh, or bash scripts/setup_vllm.sh, makes it)"
+        return f"{VLLM_PYTHON.relative_to(ROOT)} is missing (bash scripts/test.sh, or bash scripts/setup_vllm.sh, makes it)"
     out = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm; from vllm import LLM"], capture_output=True, text=True)
     if out.returncode in SIGILL:
         return f"vLLM cannot run on this CPU (illegal instruction at import; {_cpu()})"
