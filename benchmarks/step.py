@@ -40,7 +40,8 @@ VLLMGenerate)``, a vLLM server on loopback that the worker starts from ``--vllm-
 (.venv-vllm, scripts/setup_vllm.sh) before its warm-up step, the adapter pushed at the start of
 each rollout (inside ``generation_s``; ``sync_s`` is that push), the server computing on the same
 cores as the trainer. Reported: ``step_time_ratio_vllm`` (against TRL), ``vllm_ratios`` (against
-the engine's side: step, generation, generation tokens/s) and ``vllm_sync_s``. Single workload only.
+the engine's side: step, generation, generation tokens/s) and ``vllm_sync_s``; with ``--workload lab``
+the same beside the lab's shipped run (its searches and passages included).
 ``--vllm-mode inprocess`` runs ``vllm.LLM`` inside that worker instead (the worker then runs from
 ``--vllm-python``), and ``--vllm-weights merged`` (in process only) pushes the merged weights
 instead of the adapter: the two pushes' costs, compared by ``vllm_sync_s``.
@@ -917,7 +918,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--precision must be a comma-separated list of {', '.join(PRECISIONS)}, got {args.precision!r}")
     workloads = ["single", "lab"] if args.workload == "both" else [args.workload]
     lab_sides = list(_step_lab().SIDES)
-    if args.only and "lab" in workloads and args.only not in lab_sides:
+    if args.only and "lab" in workloads and args.only not in lab_sides + ["lldslight-vllm"]:
         raise SystemExit(f"--only {args.only}: the lab workload runs {', '.join(lab_sides)}")
     if args.only == "lldslight-today" and "single" in workloads:
         raise SystemExit("--only lldslight-today: a side of the lab workload only (--workload lab)")
@@ -961,7 +962,8 @@ def main(argv: list[str] | None = None) -> None:
         sides["single"] = [args.only] if args.only else (["lldslight"] if args.profile else runs + ["trl"])
     if "lab" in workloads:
         specs["lab"] = lab_spec(args, precisions[0], lab_rollout)
-        sides["lab"] = [args.only] if args.only else (["lldslight"] if args.profile else lab_sides)
+        with_vllm = lab_sides[:-1] + ["lldslight-vllm", lab_sides[-1]] if args.vllm == "on" else lab_sides  # TRL last
+        sides["lab"] = [args.only] if args.only else (["lldslight"] if args.profile else with_vllm)
     pythons = dict.fromkeys(LLDSLIGHT_SIDES, sys.executable)
     if args.vllm_mode == "inprocess":  # vllm.LLM inside the worker: it runs from vLLM's environment
         pythons["lldslight-vllm"] = args.vllm_python
@@ -1023,7 +1025,8 @@ def lab_rollout_overrides(items: list[str]) -> dict:
 def lab_spec(args, precision: str, lab_rollout: dict) -> dict:
     """The lab workload's settings (read from the recipe; step_lab.spec) with this run's."""
     lab = _step_lab().spec(precision, args.seed)
-    lab.update(workload="lab", steps=args.steps, warmup=1, seed=args.seed, malloc=args.malloc, lab_rollout=lab_rollout)
+    lab.update(workload="lab", steps=args.steps, warmup=1, seed=args.seed, malloc=args.malloc, lab_rollout=lab_rollout,
+               vllm_python=args.vllm_python, vllm_mode=args.vllm_mode, vllm_weights=args.vllm_weights)
     rows = len(lab["prompts"]) * lab["group_size"]
     trl_batch_kwargs(rows, lab["micro_batch"], lab["updates"])  # a recipe TRL cannot split alike fails here, before any run
     return lab

@@ -65,7 +65,7 @@ else:
     import lab_step
 
 SIDES = ("lldslight", "lldslight-today", "trl")
-FROZEN_PREFIX = {"lldslight": True, "lldslight-today": False}  # model.update.frozen_prefix per lldslight run
+FROZEN_PREFIX = {"lldslight": True, "lldslight-today": False, "lldslight-vllm": True}  # model.update.frozen_prefix per lldslight run
 PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed"}  # policy.precision per benchmark precision
 # What is not the same on both sides (the report carries these lines; the module's docstring says why).
 DIFFERENCES = (
@@ -198,6 +198,14 @@ def lldslight_parts(spec: dict, side: str, rollout_overrides: dict):
 
     cli = build_cli(FROZEN_PREFIX[side], spec["precision"], spec["seed"])
     rollout = search_rollout(cli)
+    if side == "lldslight-vllm":  # the shipped run with its rollouts from vLLM (step.py's single_parts says how)
+        import functools
+
+        from lldslight.rollout import VLLMGenerate
+
+        rollout.use_backend(functools.partial(VLLMGenerate, mode=spec["vllm_mode"], python=spec["vllm_python"],
+                                              weights=spec["vllm_weights"]))
+        rollout.sync_tolerance = None
     if rollout_overrides:
         rollout.config = dataclasses.replace(rollout.config, **rollout_overrides)
     examples = [QAExample(**p, split="train") for p in spec["prompts"]]

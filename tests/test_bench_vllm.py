@@ -52,6 +52,64 @@ def test_the_vllm_side_is_reported_beside_the_engine_and_trl(step, tmp_path, mon
     assert "vLLM / engine: step 1.500, generation 1.500 (above 1: vLLM slower);" in report["closing_note"][0]
 
 
+def test_the_lab_workload_gets_a_vllm_side_beside_the_shipped_run(step, tmp_path, monkeypatch):
+    """--workload lab --vllm on, workers faked: the lab's shipped run 3 s a step (generation 1 s),
+    with its rollouts from vLLM 4.5 s (generation 2 s, push 0.1 s), today's 6 s, TRL 8 s. By hand:
+    vLLM / engine 1.5 (generation 2.0), vLLM / TRL 0.5625; TRL still runs last; the worker's spec
+    names vLLM's interpreter, mode and weights."""
+    from tests.test_bench_step import _fake_worker
+
+    step_s = {("lab", "lldslight"): 3.0, ("lab", "lldslight-today"): 6.0, ("lab", "lldslight-vllm"): 4.5, ("lab", "trl"): 8.0}
+    seen, specs = [], []
+    fake_step = _fake_worker(step, step_s, seen)
+
+    def fake(side, python, spec, timeout):
+        specs.append(spec)
+        result = fake_step(side, python, spec, timeout)
+        result["steps"][0]["generation_s"] = {"lldslight-vllm": 2.0}.get(side, 1.0)
+        if side == "lldslight-vllm":
+            result["steps"][0]["sync_s"] = 0.1
+        return result
+
+    python = tmp_path / "python"
+    python.write_text("")
+    lab_spec = {"recipe": "r.yaml", "prompts": [{"id": str(i)} for i in range(4)], "group_size": 4, "updates": 4, "micro_batch": 4,
+                "model_dir": "m", "rollout": {"max_turns": 1, "max_new_tokens": 40, "topk": 2, "max_response_tokens": 220},
+                "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "layers_to_transform": [22, 29],
+                         "linear_modules": ["q_proj"]}}
+    real_lab_spec = step.lab_spec
+    monkeypatch.setattr(step, "run_worker", fake)
+    monkeypatch.setattr(step, "ensure_trl_venv", lambda python: "python")
+    monkeypatch.setattr(step._step_lab(), "spec", lambda precision, seed: dict(lab_spec))
+    monkeypatch.setattr(step, "lab_spec", real_lab_spec)
+    out = tmp_path / "step.json"
+    step.main(["--workload", "lab", "--rounds", "1", "--threads", "1", "--precision", "fp32", "--vllm", "on",
+               "--vllm-python", str(python), "--json", str(out)])
+    assert [side for _, side in seen] == ["lldslight", "lldslight-today", "lldslight-vllm", "trl"]
+    assert {(s["vllm_python"], s["vllm_mode"], s["vllm_weights"]) for s in specs} == {(str(python), "server", "lora")}
+    lab = json.loads(out.read_text())["lab"]["precisions"]["fp32"]["threads"]["1"]
+    assert lab["vllm_ratio"] == pytest.approx(1.5) and lab["step_time_ratio_vllm"] == pytest.approx(4.5 / 8)
+    assert lab["vllm_ratios"]["generation_s"]["ratio_of_medians"] == pytest.approx(2.0) and lab["vllm_sync_s"] == pytest.approx(0.1)
+
+
+def test_the_labs_vllm_run_samples_through_vllm_without_starting_it():
+    """step_lab.lldslight_parts for the vLLM side: the recipe's own SearchRollout (its retriever,
+    reward and rollout settings) with VLLMGenerate as its backend, the engine otherwise; built, not
+    started (the server starts at the first rollout)."""
+    from conftest import load_benchmark
+
+    from lldslight.rollout import RolloutEngine, VLLMGenerate
+
+    lab = load_benchmark("step_lab")
+    spec = {"precision": "fp32", "seed": 0, "prompts": [], "vllm_python": "/x/python", "vllm_mode": "server", "vllm_weights": "lora"}
+    _, rollout, _ = lab.lldslight_parts(spec, "lldslight-vllm", {})
+    _, shipped, _ = lab.lldslight_parts(spec, "lldslight", {})
+    assert rollout.backend.func is VLLMGenerate and rollout.backend.keywords == {"mode": "server", "python": "/x/python", "weights": "lora"}
+    # the shipped run's backend as the CLI built it: RolloutEngine (jsonargparse wraps the class in a partial)
+    assert rollout.sync_tolerance is None and RolloutEngine in (shipped.backend, *getattr(shipped.backend, "args", ()))
+    assert rollout.config == shipped.config and type(rollout.retriever) is type(shipped.retriever)
+
+
 def test_a_missing_vllm_environment_is_one_line(step, tmp_path):
     with pytest.raises(SystemExit, match=r"^--vllm-python: .*nowhere does not exist \(bash scripts/setup_vllm\.sh"):
         step.main(["--vllm", "on", "--vllm-python", str(tmp_path / "nowhere")])
