@@ -1,12 +1,13 @@
 """Stage C's calibration read as lab/archive/collapse/CALIBRATION_real_lm_C.md fixed it, from the archives.
 
-    python lab/calib_c.py              # round 2 (the preset as shipped): tables, verdict, calibration_round2.json
+    python lab/calib_c.py              # round 3 (the preset as shipped): tables, verdict, calibration_round3.json
+    python lab/calib_c.py --round 2    # round 2 (tied batches past the target cut the rate): calibration_round2.json
     python lab/calib_c.py --round 1    # round 1 (tied batches held): calibration.json
 
 Real model (lab/archive/collapse/real_lm_C_calib/<arm>/seed<S>/; round 1's arms slowstart_*, round 2's
-slowstart_cut_*): a run holds if the runner's collapse rule (horizon 80, hold 30: its summary's
+slowstart_cut_*, round 3's slowstart_skip_*): a run holds if the runner's collapse rule (horizon 80, hold 30: its summary's
 ``collapse``) did not fire over its 80 steps. Demo (lab/archive/demo/c_calib/<arm>/seed<S>/, round 2's
-preset runs under c_calib/round2/; the shipped demo's runs serve both rounds): a run is lost if its dev
+preset runs under c_calib/round2/ and round3/; the shipped demo's runs serve both rounds): a run is lost if its dev
 EM after training is 0 or its training answered rate over its last 10 steps is under 0.5. The preset
 is calibrated if every real-model run at 2e-3 and 4e-3 holds on seeds 1-3, no demo run at 4x or 8x is
 lost on seeds 6-8, and from the demo's own rate the dev EM change minus the shipped demo's (paired by
@@ -39,7 +40,9 @@ PRESET_ARMS = ("stable_5.0e-4", "stable_2.0e-3", "stable_4.0e-3")  # the demo's 
 # shipped demo's runs, DEMO/shipped, serve every round: the shipped demo did not change).
 ROUNDS = {1: {"real_arms": ("slowstart_2e-3", "slowstart_4e-3"), "demo": DEMO, "json": REAL / "calibration.json"},
           2: {"real_arms": ("slowstart_cut_2e-3", "slowstart_cut_4e-3"), "demo": DEMO / "round2",
-              "json": REAL / "calibration_round2.json"}}
+              "json": REAL / "calibration_round2.json"},
+          3: {"real_arms": ("slowstart_skip_2e-3", "slowstart_skip_4e-3"), "demo": DEMO / "round3",
+              "json": REAL / "calibration_round3.json"}}
 
 
 def column(run: Path, key: str) -> dict[int, float]:

@@ -4,7 +4,7 @@
 
 The set: ``lab/collapse.py --name real_lm_C`` (SmolLM2-135M, the real-model recipe, H = 80, hold 30),
 seeds 20-31, four arms: plain GRPO at 2e-3 (``grpo_2e-3``), + LLDS (``llds_2e-3``), the preset with its
-start phase and ceiling 2e-3 (``slowstart_cut_2e-3``) and plain GRPO at the best fixed rate (``grpo_5e-4``).
+start phase and ceiling 2e-3 (``slowstart_skip_2e-3``) and plain GRPO at the best fixed rate (``grpo_5e-4``).
 Everything is recomputed from the archived per-step metrics (``lldslight.science.collapse``), nothing
 from the runner's report. Until all 48 runs are archived the report holds counts only (registered: no
 test on a partial set). Then:
@@ -52,7 +52,7 @@ FINAL = 20  # the last-20 reward: steps 60-79
 MARGIN = 0.05  # P3's non-inferiority margin, in reward
 BEFORE = 10  # the signals' window before each collapse
 # role -> (rate, the arm's folder): the roles the registration names; collect() keys on (role, rate).
-ROLES = {"grpo": ("2e-3", "grpo_2e-3"), "llds": ("2e-3", "llds_2e-3"), "preset": ("2e-3", "slowstart_cut_2e-3"),
+ROLES = {"grpo": ("2e-3", "grpo_2e-3"), "llds": ("2e-3", "llds_2e-3"), "preset": ("2e-3", "slowstart_skip_2e-3"),
          "best": ("5e-4", "grpo_5e-4")}
 SETS = {(role, rate): (NAME, folder, SEEDS) for role, (rate, folder) in ROLES.items()}
 SIGNALS = ("lld/delta_correct", "lld/delta_incorrect", "drift/kl_k3_last", "train/entropy", "train/answered_rate",

@@ -192,14 +192,20 @@ def test_an_old_checkpoint_has_no_start_phase_and_bad_start_scales_are_refused()
 
 @pytest.mark.parametrize("ceiling", ["2e-3", "4e-3"])
 def test_the_calibration_arms_are_the_shipped_preset_at_their_ceiling(ceiling):
-    """lab/configs/arms_real/slowstart_cut_*.yaml write the preset out (the lab runs arms on the real-model
-    recipe); they must stay configs/stable.yaml but for the ceiling, read here as plain YAML."""
+    """lab/configs/arms_real/slowstart_skip_*.yaml write the preset out (the lab runs arms on the real-model
+    recipe); they must stay configs/stable.yaml but for the ceiling, read here as plain YAML. The
+    previous round's arms (slowstart_cut_*) are the preset without its zero-gradient skip."""
     import yaml
 
     from tests.conftest import ROOT
 
     preset = yaml.safe_load((ROOT / "configs" / "stable.yaml").read_text())
-    arm = yaml.safe_load((ROOT / "lab" / "configs" / "arms_real" / f"slowstart_cut_{ceiling}.yaml").read_text())
+    arms = ROOT / "lab" / "configs" / "arms_real"
+    arm = yaml.safe_load((arms / f"slowstart_skip_{ceiling}.yaml").read_text())
     assert arm["trainer"] == preset["trainer"] and arm["model"]["update"] == preset["model"]["update"]
     assert arm["model"]["optim"] == {"lr": float(ceiling)}
     assert preset["trainer"]["callbacks+"][0]["init_args"]["signal_free"] == "cut"
+    assert preset["model"]["update"]["zero_gradient"] == "skip"
+    previous = yaml.safe_load((arms / f"slowstart_cut_{ceiling}.yaml").read_text())
+    assert previous["trainer"] == preset["trainer"] and previous["model"]["optim"] == arm["model"]["optim"]
+    assert previous["model"]["update"] == {k: v for k, v in preset["model"]["update"].items() if k != "zero_gradient"}

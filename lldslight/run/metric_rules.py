@@ -82,6 +82,7 @@ RULES: tuple[Rule, ...] = (
     # -- an update's values that every rank shares (update/train.py: RolloutUpdates.shared) ------------------
     Rule("train/grad_norm", "mean", "mean", "the global norm, the same on every rank"),
     Rule("train/vetoed_updates", "mean", "sum", "ranks agree on every veto; a step's vetoes add up"),
+    Rule("train/skipped_updates", "mean", "sum", "the norm is global, so ranks skip alike; a step's skips add up"),
     Rule("guard/*", "mean", "mean", "the guard decides from the global norm, the same on every rank"),
     # -- once per step, counts that add up over ranks ---------------------------------------------------
     Rule("retrieval/unavailable", "sum", None, "queries of every rank"),

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, get_args, runtime_checkable
@@ -59,6 +60,7 @@ DRIFT_PER_UPDATE = ("drift/kl_k3", "drift/kl_k1", "drift/log_ratio_m2", "drift/r
 
 OldLogpSource = Literal["recompute", "rollout"]
 MinibatchGrouping = Literal["rows", "prompts"]
+ZeroGradient = Literal["step", "skip"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,12 @@ class UpdateConfig:
     frozen_prefix_max_mb: float = 2048.0
     """The most memory the stored hidden states (rows x tokens x hidden size) may take, in MiB;
     above it every pass runs the whole decoder (said once)."""
+    zero_gradient: ZeroGradient = "step"
+    """An update whose gradient is exactly zero (every advantage in its mini-batch 0 and no other
+    loss term: its groups all tied): ``step`` runs the optimiser step anyway, as TRL and veRL do, so
+    AdamW moves the policy along its momentum (and decays its weights) with no signal; ``skip``
+    leaves the weights and the optimiser state exactly as they were (``train/skipped_updates``).
+    configs/stable.yaml skips: on the demo, tied batches stepped on momentum alone lost runs."""
 
     def __post_init__(self) -> None:
         require(self.grad_clip >= 0, "model.update.grad_clip", ">= 0 (0 = no clipping)", self.grad_clip)
@@ -138,7 +146,7 @@ class UpdateConfig:
         # Each choice set is defined once, as a Literal: here, or in objectives.py beside the formula that takes it.
         for key, choices in (("old_logp_source", OldLogpSource), ("minibatch_grouping", MinibatchGrouping),
                              ("aggregation", obj.Aggregation), ("kl_estimator", obj.KLEstimator),
-                             ("negative_advantages", obj.NegativeAdvantages)):
+                             ("negative_advantages", obj.NegativeAdvantages), ("zero_gradient", ZeroGradient)):
             value = getattr(self, key)
             require(value in get_args(choices), f"model.update.{key}", f"one of {get_args(choices)}", value)
         require(self.target_kl is None or (math.isfinite(self.target_kl) and self.target_kl > 0), "model.update.target_kl",
@@ -263,10 +271,12 @@ class RolloutUpdates:
         callback namespaced the key itself, and the names whose per-rank values add up over ranks
         (the ``summed`` channel: the default of a key metric_rules has no rule for)."""
         metrics = {"train/vetoed_updates": float(sum(self.shared.get("vetoed", [0.0])))}
+        if "skipped" in self.shared:  # model.update.zero_gradient: skip
+            metrics["train/skipped_updates"] = float(sum(self.shared["skipped"]))
         summed = set()
         for channel in (self.summed, self.shared):
             for k, values in channel.items():
-                if k == "vetoed":
+                if k in ("vetoed", "skipped"):
                     continue
                 name = logged_name(k)
                 metrics[name] = _over_updates(over_updates(name), values)
@@ -333,7 +343,11 @@ def train_on_rollout(module: Learner, traj: Trajectory, optimizer, scheduler) ->
     shared["drift/updates"] = [float(applied)]
     shared["drift/stopped"] = [float(applied < len(minibatches))]
     shared["drift/signal"] = [float(drift_has_signal(advantaged, len(summed.get("drift/kl_k3", [])), shared))]
-    scheduler.step()
+    with warnings.catch_warnings():
+        # A batch whose every update was vetoed or skipped (zero_gradient: skip) steps the schedule without an
+        # optimiser step, on purpose: the schedule counts rollout batches. torch's warning would say otherwise.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+        scheduler.step()
     timings["update_s"] = time.perf_counter() - t0
     hostmem.trim()
     return RolloutUpdates(traj, summed, shared, lr, timings)
@@ -650,12 +664,18 @@ def step(module: Learner, optimizer, update_index: int, loss_ok: bool, loss: flo
         if not gate(ctx):
             ctx.vetoed = True
     accept = all_ranks_agree(not ctx.vetoed, module.device)  # one rank stepping alone splits the replicas
-    if accept:
+    # No gradient, no step (zero_gradient: skip): the norm is global (reduced over ranks), so every rank skips alike.
+    skip = accept and module.update_config.zero_gradient == "skip" and float(grad_norm) == 0.0
+    if accept and not skip:
         if module.update_config.grad_clip > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(params, module.update_config.grad_clip, ctx.grad_norm)
         optimizer.step()
     else:
-        # A vetoed update leaves weights and optimiser state exactly as they were.
+        # A vetoed or skipped update leaves weights and optimiser state exactly as they were.
         optimizer.zero_grad(set_to_none=True)
-        module.vetoed_updates += 1
-    return {**ctx.metrics, "grad_norm": float(grad_norm), "vetoed": 0.0 if accept else 1.0}
+        if not accept:
+            module.vetoed_updates += 1
+    out = {**ctx.metrics, "grad_norm": float(grad_norm), "vetoed": 0.0 if accept else 1.0}
+    if module.update_config.zero_gradient == "skip":
+        out["skipped"] = float(skip)
+    return out
