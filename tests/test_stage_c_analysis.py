@@ -212,3 +212,20 @@ def test_the_calibrations_second_round_reads_not_calibrated_from_its_archives(tm
     assert [k for k, v in got["demo"].items() if v and v["lost"]] == lost
     assert got["checks"]["demo_4x_8x_not_lost"] is False and got["verdict"] == "not calibrated"
     assert "slowstart_cut_2e-3/seed1" in got["missing"] and "stable_2.0e-3/seed7" in got["missing"]
+
+
+def test_the_calibrations_third_round_demo_half_reads_from_its_archives(tmp_path):
+    """Round 3 (no optimiser step on a zero gradient): none of its 9 demo runs lost, read here with
+    json and csv; the own-rate pairs (preset minus shipped dev EM change) recomputed from the summaries."""
+    import statistics
+
+    from tests.conftest import ROOT
+
+    got = _calib_round(3, tmp_path)
+    demo = ROOT / "lab" / "archive" / "demo" / "c_calib"
+    assert len(list((demo / "round3").glob("stable_*/seed*/summary.json"))) == 9
+    assert _lost_demo_runs(demo / "round3") == [] and got["checks"]["demo_4x_8x_not_lost"] is True
+    change = lambda p: json.loads((p / "summary.json").read_text())["dev_em_change"]["change"]  # noqa: E731
+    pairs = [change(demo / "round3" / "stable_5.0e-4" / f"seed{s}") - change(demo / "shipped" / f"seed{s}") for s in (6, 7, 8)]
+    assert got["own_rate"]["pairs"] == pytest.approx(pairs) and statistics.fmean(pairs) == pytest.approx(-0.026, abs=5e-4)
+    assert not [k for k in got["missing"] if not k.startswith("slowstart_skip_")]  # only the real-model half is missing
