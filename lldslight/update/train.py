@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Literal, Mapping, Optional, Protocol, get_args, runtime_checkable
 
