@@ -318,17 +318,7 @@ def single_parts(spec: dict):
     )
     backend = {}
     if spec.get("side") == "lldslight-vllm":
-        import functools
-
-        from lldslight.rollout import VLLMGenerate
-
-        # A vLLM server on loopback (started from .venv-vllm, stopped with the worker), the adapter
-        # pushed when the policy changed: at the start of each rollout, inside generation_s (its
-        # cost is also sync_s). Without the weight-sync probe, which would push it after the step,
-        # outside the timed step; the probe's own cost is left out of every side alike (the
-        # engine's runs after the Timer's end of step).
-        backend = dict(backend=functools.partial(VLLMGenerate, mode=spec.get("vllm_mode", "server"), python=spec["vllm_python"],
-                                                 weights=spec.get("vllm_weights", "lora")), sync_tolerance=None)
+        backend = dict(backend=_step_lab().vllm_backend(spec), sync_tolerance=None)  # vllm_backend says why
     callback = SearchRollout(retriever=NoSearch(), reward=lambda text, gold: reward(text), rollout=rollout, **backend)
     return GRPOModule(**module_groups(spec)), callback, examples
 
@@ -919,7 +909,7 @@ def main(argv: list[str] | None = None) -> None:
     workloads = ["single", "lab"] if args.workload == "both" else [args.workload]
     lab_sides = list(_step_lab().SIDES)
     if args.only and "lab" in workloads and args.only not in lab_sides + ["lldslight-vllm"]:
-        raise SystemExit(f"--only {args.only}: the lab workload runs {', '.join(lab_sides)}")
+        raise SystemExit(f"--only {args.only}: the lab workload runs {', '.join(lab_sides)} (and lldslight-vllm)")
     if args.only == "lldslight-today" and "single" in workloads:
         raise SystemExit("--only lldslight-today: a side of the lab workload only (--workload lab)")
     if (args.vllm == "on" or args.only == "lldslight-vllm") and not Path(args.vllm_python).is_file():

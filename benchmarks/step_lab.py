@@ -189,6 +189,22 @@ def named(path: str):
 # -- lldslight's side ---------------------------------------------------------------------------------
 
 
+def vllm_backend(spec: dict):
+    """The "lldslight-vllm" side's backend, for both workloads: a vLLM server on loopback started
+    from ``spec["vllm_python"]`` (.venv-vllm) and stopped with the worker, or ``vllm.LLM`` in the
+    worker (``vllm_mode: inprocess``), with the adapter (or the merged weights) pushed when the
+    policy changed: at the start of each rollout, inside generation_s (its cost is also sync_s).
+    The caller runs it without the weight-sync probe (``sync_tolerance=None``), which would push
+    the weights after the step, outside the timed step; the probe's own cost is left out of every
+    side alike (the engine's runs after the Timer's end of step)."""
+    import functools
+
+    from lldslight.rollout import VLLMGenerate
+
+    return functools.partial(VLLMGenerate, mode=spec.get("vllm_mode", "server"), python=spec["vllm_python"],
+                             weights=spec.get("vllm_weights", "lora"))
+
+
 def lldslight_parts(spec: dict, side: str, rollout_overrides: dict):
     """(module, SearchRollout, examples) for one lldslight run of the lab workload: the recipe as
     built by the CLI with frozen_prefix on (as shipped) or off (today), the recipe's SearchRollout
@@ -198,14 +214,9 @@ def lldslight_parts(spec: dict, side: str, rollout_overrides: dict):
 
     cli = build_cli(FROZEN_PREFIX[side], spec["precision"], spec["seed"])
     rollout = search_rollout(cli)
-    if side == "lldslight-vllm":  # the shipped run with its rollouts from vLLM (step.py's single_parts says how)
-        import functools
-
-        from lldslight.rollout import VLLMGenerate
-
-        rollout.use_backend(functools.partial(VLLMGenerate, mode=spec["vllm_mode"], python=spec["vllm_python"],
-                                              weights=spec["vllm_weights"]))
-        rollout.sync_tolerance = None
+    if side == "lldslight-vllm":  # the shipped run with its rollouts from vLLM
+        rollout.use_backend(vllm_backend(spec))
+        rollout.sync_tolerance = None  # vllm_backend says why
     if rollout_overrides:
         rollout.config = dataclasses.replace(rollout.config, **rollout_overrides)
     examples = [QAExample(**p, split="train") for p in spec["prompts"]]

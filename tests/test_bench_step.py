@@ -356,7 +356,7 @@ def test_workload_and_lab_rollout_arguments(step):
     with pytest.raises(SystemExit) as exit_:
         step.main(["--workload", "multi"])
     assert exit_.value.code == 2  # argparse's refusal of a value outside the choices
-    with pytest.raises(SystemExit, match="the lab workload runs lldslight, lldslight-today, trl"):
+    with pytest.raises(SystemExit, match=r"the lab workload runs lldslight, lldslight-today, trl \(and lldslight-vllm\)"):
         step.main(["--workload", "lab", "--only", "lldslight-auto"])
 
 
