@@ -66,7 +66,7 @@ def tiny_policy_config(lora: bool = True):
 
     return PolicyConfig(
         model="smollm2-135m-instruct",
-        dtype="float32",
+        precision="fp32",
         random_init=dict(TINY_DIMS),
         lora=LoRAConfig(r=4, alpha=8) if lora else None,
         gradient_checkpointing=False,

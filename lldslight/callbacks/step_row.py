@@ -7,6 +7,11 @@ and no row of step N in ``metrics.csv`` or TensorBoard. A resume from that check
 N + 1, so the row was never written at all, while a resume promises one row a step, bit for bit
 (docs/errors_and_resume.md). The row is known when the checkpoint is written (Lightning's logger
 connector holds the step's logged values until it hands them over), so it is saved with it.
+
+A run stopped by Ctrl-C or an error in that same gap writes the row itself: Lightning calls
+``on_exception`` before it finalises the loggers, and the row of the checkpoint just written is
+logged there when Lightning has not logged it yet (so a stopped run's CSV ends with its last
+checkpoint's step without waiting for a resume).
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ class StepRow(pl.Callback):
 
     def __init__(self) -> None:
         self.pending: Optional[dict[str, Any]] = None
+        # The row of the checkpoint written in this step's on_train_batch_end, until Lightning logs it.
+        self.unlogged: Optional[dict[str, Any]] = None
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if not trainer.training:
@@ -59,6 +66,22 @@ class StepRow(pl.Callback):
         row = convert_tensors_to_scalars(dict(logged))
         row.setdefault("epoch", trainer.current_epoch)  # as Lightning's log_metrics adds it
         checkpoint[KEY] = {"step": int(trainer.fit_loop.epoch_loop._batches_that_stepped), "metrics": row}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        # Saved from a batch's end hooks (the batch processed, not yet completed): Lightning logs the row next.
+        self.unlogged = checkpoint[KEY] if progress.processed > progress.completed else None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation inside fit runs after the step's row was handed to the loggers.
+        self.unlogged = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        unlogged, self.unlogged = self.unlogged, None
+        # Lightning logs a step's row, then (after validation, if any) counts the step: a count still
+        # at the row's step, with no validation since, means the row never reached the loggers.
+        if not unlogged or not trainer.is_global_zero or trainer.fit_loop.epoch_loop._batches_that_stepped != unlogged["step"]:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(unlogged["metrics"], step=unlogged["step"])
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.pending = checkpoint.get(KEY)
