@@ -354,6 +354,12 @@ def worker_lldslight(spec: dict) -> dict:
         # First in the callback list: its batch start runs before SearchRollout samples.
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             clock.begin(module.policy)
+            mark_stale = getattr(rollout.train_engine(module), "mark_stale", None)
+            if clock.measuring and mark_stale is not None:
+                # vLLM: push the adapter in every timed step, as a run does once its updates move the
+                # weights; a warm-up batch whose groups all tie leaves them as pushed, and the backend
+                # skips an unchanged push (the lab's 4 prompts at seed 0 did: sync_s 0).
+                mark_stale()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             traj = module.last_rollout
@@ -802,7 +808,7 @@ def print_threads(res: dict, args, sides: list[str], spec: dict | None = None) -
                          ("_auto", f"checkpointing auto, {args.activation_budget_mb:.0f} MiB, {shared}"),
                          ("_unshared", "every layer checkpointed, shared prefix off"),
                          ("_today", "today's, frozen prefix off"),
-                         ("_vllm", f"rollouts from a vLLM server, every layer checkpointed, {shared}")):
+                         ("_vllm", "rollouts from vLLM, " + ("as shipped, frozen prefix on" if lab else f"every layer checkpointed, {shared}"))):
         if "step_time_ratio" + suffix in res:
             r = res["ratios" + suffix]["step_s"]
             print(f"step_time_ratio{suffix} (lldslight, {what} / TRL) at {res['threads']} thread(s): {r['ratio_of_medians']:.3f} "

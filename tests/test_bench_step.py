@@ -473,3 +473,90 @@ def test_turn_end_cuts_after_the_stop_tag_or_eos(synth_kb, bm25):
     assert rollout.turn_end(ids[:3] + [tok.eos_token_id] + ids[3:]) == 4
     plain = tok("no tags at all here", add_special_tokens=False)["input_ids"]
     assert rollout.turn_end(plain) == len(plain)
+
+
+
+
+def _kept(name: str, lab: bool = False):
+    """(kept attempts, med) of a committed fp32, 2-thread step.py JSON in benchmarks/results/ made on
+    the AVX2-only EPYC (quiet, its SIMD flags recorded); med(side, key) is statistics.median over the
+    kept attempts, computed here, not the harness's summaries."""
+    import statistics
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / name).read_text())
+    simd = data["machine"]["cpu_flags_simd"]
+    assert "avx2" in simd and "avx512_bf16" not in simd, simd
+    res = (data["lab"] if lab else data)["precisions"]["fp32"]["threads"]["2"]
+    assert res["quiet"]["quiet"]
+    kept = [a for a in res["attempts"] if a["kept"]]
+    return kept, lambda side, key: statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+
+
+def _backends_doc() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "docs" / "generation_backends.md").read_text()
+
+
+def _assert_table(doc: str, med, sides=("lldslight", "lldslight-vllm", "trl")) -> None:
+    for label, key, fmt in (("step (s)", "step_s", ".2f"), ("generation (s)", "generation_s", ".2f"),
+                            ("generation tokens/s", "gen_tokens_per_s", ".1f")):
+        row = f"| {label} | " + " | ".join(format(med(s, key), fmt) for s in sides) + " |"
+        assert row in doc, row
+
+
+def test_generation_backends_doc_quotes_the_server_figures_at_the_demos_batch():
+    """The demo's batch with vLLM serving the adapter (step_vllm_epyc_avx2.json): table, push, ratios."""
+    doc = _backends_doc()
+    _, med = _kept("step_vllm_epyc_avx2.json")
+    _assert_table(doc, med)
+    row = f"| adapter push per step (s) | | {med('lldslight-vllm', 'sync_s'):.3f} | |"
+    assert row in doc, row
+    r = {k: med("lldslight-vllm", k) / med("lldslight", k) for k in ("step_s", "generation_s", "gen_tokens_per_s")}
+    quoted = (f"step took {r['step_s']:.2f}x the engine's (generation {r['generation_s']:.2f}x, tokens/s "
+              f"{r['gen_tokens_per_s']:.2f}x) and\n{med('lldslight-vllm', 'step_s') / med('trl', 'step_s'):.2f}x TRL's")
+    assert quoted in doc, quoted
+
+
+def test_generation_backends_doc_quotes_the_merged_weight_figures():
+    """vLLM in process with merged weights beside the engine and TRL (step_vllm_merged_epyc_avx2.json),
+    and the two in-process pushes run one side a run (step_vllm_inprocess_{merged,lora}_epyc_avx2.json):
+    tables, per-round ratios (each round's vLLM run over that round's engine run), the push costs."""
+    doc = _backends_doc()
+    kept, med = _kept("step_vllm_merged_epyc_avx2.json")
+    _assert_table(doc, med)
+    row = f"| weight push per step (s) | | {med('lldslight-vllm', 'sync_s'):.3f} | |"
+    assert row in doc, row
+    by_round = {(a["round"], a["side"]): a["metrics"]["step_s"] for a in kept}
+    rounds = sorted({r for r, _ in by_round})
+    per_round = ", ".join(f"{by_round[r, 'lldslight-vllm'] / by_round[r, 'lldslight']:.2f}" for r in rounds)
+    quoted = (f"generation {med('lldslight-vllm', 'generation_s') / med('lldslight', 'generation_s'):.2f}x the engine's, the step "
+              f"{med('lldslight-vllm', 'step_s') / med('lldslight', 'step_s'):.2f}x (per round {per_round}")
+    assert " ".join(quoted.split()) in " ".join(doc.split()), quoted
+
+    _, merged = _kept("step_vllm_inprocess_merged_epyc_avx2.json")
+    _, lora = _kept("step_vllm_inprocess_lora_epyc_avx2.json")
+    m = {k: merged("lldslight-vllm", k) for k in ("sync_s", "generation_s", "step_s")}
+    a = {k: lora("lldslight-vllm", k) for k in ("sync_s", "generation_s", "step_s")}
+    quoted = (f"merged {m['sync_s']:.3f} s a step against the adapter's {a['sync_s']:.3f} s, and generation {m['generation_s']:.2f} s "
+              f"against {a['generation_s']:.2f} s, so the step {m['step_s']:.2f} s against {a['step_s']:.2f} s: "
+              f"{m['sync_s'] - a['sync_s']:.2f} s more push saved {a['generation_s'] - m['generation_s']:.1f} s of sampling.")
+    flat = " ".join(doc.split())
+    assert quoted in flat, quoted
+    assert f"made the step {a['step_s'] / m['step_s']:.2f}x as long" in flat
+    assert f"the merged push costs {m['sync_s'] / a['sync_s']:.0f}x the adapter's ({m['sync_s']:.2f} s against {a['sync_s']:.2f} s" in flat
+
+
+def test_generation_backends_doc_quotes_the_lab_batch_figures():
+    """The real-model lab's batch (step_vllm_lab_epyc_avx2.json, --workload lab): table, ratios, and
+    that no timed step pushed an adapter (the doc says so)."""
+    doc = _backends_doc()
+    kept, med = _kept("step_vllm_lab_epyc_avx2.json", lab=True)
+    _assert_table(doc, med)
+    assert [a["metrics"]["sync_s"] for a in kept if a["side"] == "lldslight-vllm"] == [0.0, 0.0, 0.0]
+    r = {k: med("lldslight-vllm", k) / med("lldslight", k) for k in ("step_s", "generation_s", "gen_tokens_per_s")}
+    quoted = (f"vLLM / engine: step {r['step_s']:.2f}x, generation {r['generation_s']:.2f}x, tokens/s {r['gen_tokens_per_s']:.2f}x; "
+              f"vLLM / TRL step {med('lldslight-vllm', 'step_s') / med('trl', 'step_s'):.2f}x")
+    assert quoted in " ".join(doc.split()), quoted
+    assert "(`sync_s` 0 in every run)" in doc

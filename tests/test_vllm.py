@@ -189,6 +189,20 @@ def test_the_probe_follows_every_push_and_a_skipped_push_stops_the_run(served):
 
 
 @needs_vllm
+def test_an_unchanged_adapter_is_pushed_again_only_when_marked_stale(served):
+    """The push is skipped while the adapter equals the last one pushed; mark_stale (what the step
+    benchmark calls before each timed step) makes the next one go out regardless."""
+    backend, model, tok = served
+    backend._sync(model)
+    before = backend.syncs
+    backend._sync(model)
+    assert backend.syncs == before
+    backend.mark_stale()
+    backend._sync(model)
+    assert backend.syncs == before + 1
+
+
+@needs_vllm
 def test_an_adapter_rank_above_the_servers_maximum_is_refused(served, vllm_model, bm25):
     backend, _, _ = served
     model, tok = _policy(vllm_model, r=16)  # the server was started for rank 4 (--max-lora-rank 8)

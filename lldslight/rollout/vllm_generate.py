@@ -571,6 +571,13 @@ class VLLMGenerate:
         conn.syncs += 1
         self.stats["sync_s"] = self.stats.get("sync_s", 0.0) + time.perf_counter() - t0
 
+    def mark_stale(self) -> None:
+        """Push the weights before the next rollout even if they equal the last push (an unchanged
+        push is skipped): for a benchmark timing a run's steady state, where every step pushes, or a
+        server whose adapter was replaced behind lldslight's back."""
+        if self.conn is not None:
+            self.conn.synced = None
+
     @torch.no_grad()
     def probe_logprob(self, model: nn.Module, ids: list[int]) -> float:
         """The summed log-prob of ``ids`` (tokens 2..n) as vLLM scores it now, after pushing the
