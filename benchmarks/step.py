@@ -357,8 +357,8 @@ def worker_lldslight(spec: dict) -> dict:
             mark_stale = getattr(rollout.train_engine(module), "mark_stale", None)
             if clock.measuring and mark_stale is not None:
                 # vLLM: push the adapter in every timed step, as a run does once its updates move the
-                # weights; a warm-up batch whose groups all tie leaves them as pushed, and the backend
-                # skips an unchanged push (the lab's 4 prompts at seed 0 did: sync_s 0).
+                # weights; the backend skips an unchanged push, and the lab's warm-up batch at seed 0
+                # left the adapter as pushed (its timed steps recorded sync_s 0).
                 mark_stale()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
