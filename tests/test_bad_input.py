@@ -433,7 +433,7 @@ def test_observe_mode_logs_unavailable_queries_per_step(protocol_model, protocol
 
     train = write_searchr1_parquet(protocol_examples, tmp_path / "train.parquet")
     data = SearchQADataModule(train_files=[str(train)], batch_size=3, prompt_source="file", shuffle=False)
-    module = GRPOModule(policy=PolicyConfig(lora=None, dtype="float32"), update=UpdateConfig(kl_coef=0.0, micro_batch_size=6),
+    module = GRPOModule(policy=PolicyConfig(lora=None, precision="fp32"), update=UpdateConfig(kl_coef=0.0, micro_batch_size=6),
                         optim=OptimConfig(lr=1e-6))
     module.policy, module.tokenizer = copy.deepcopy(model), tok
     retriever = HttpRetriever(url=server.url, retries=1, backoff=0.01, timeout=5, on_unavailable="observe")

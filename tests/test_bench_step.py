@@ -49,7 +49,7 @@ def test_profile_groups_a_real_trace():
     prof_mod = load_benchmark("profiling")
     from lldslight.policy import LoRAConfig, PolicyConfig, load_policy
 
-    model, _ = load_policy(PolicyConfig(dtype="float32", random_init={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+    model, _ = load_policy(PolicyConfig(precision="fp32", random_init={"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
                                                                       "num_attention_heads": 2, "num_key_value_heads": 1},
                                         lora=LoRAConfig(r=2, alpha=4), gradient_checkpointing=False))
     lm = model.get_base_model()
@@ -341,7 +341,7 @@ def test_linear_names_spell_out_all_linear_as_the_policy_does():
     assert names == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     from conftest import TINY_DIMS
 
-    model, _ = load_policy(PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(TINY_DIMS, num_hidden_layers=3),
+    model, _ = load_policy(PolicyConfig(model="smollm2-135m-instruct", precision="fp32", random_init=dict(TINY_DIMS, num_hidden_layers=3),
                                         lora=LoRAConfig(r=2, alpha=4, layers_to_transform=[2]), gradient_checkpointing=False))
     adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and ".layers.2." in n}
     assert adapted == set(names)

@@ -32,7 +32,7 @@ SMALL = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "nu
 
 
 def small_config() -> PolicyConfig:
-    return PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(SMALL),
+    return PolicyConfig(model="smollm2-135m-instruct", precision="fp32", random_init=dict(SMALL),
                         lora=LoRAConfig(r=4, alpha=8), gradient_checkpointing=False)
 
 

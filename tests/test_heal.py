@@ -167,7 +167,7 @@ def test_a_forced_alarm_rolls_back_exactly_applies_every_remedy_and_stops_at_the
 def test_full_fine_tuning_anchor_schedule_rollback_and_disk_snapshots(tmp_path):
     from lldslight.policy import PolicyConfig
 
-    full = PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(small_config().random_init), lora=None,
+    full = PolicyConfig(model="smollm2-135m-instruct", precision="fp32", random_init=dict(small_config().random_init), lora=None,
                         gradient_checkpointing=False)
     policy = (*load_policy(full), full)
     # No lr remedy: the schedule goes back with the snapshot. Disk only (budget 0), 3 kept.

@@ -28,7 +28,7 @@ BNB_LINEAR = {"nf4": bnb.nn.Linear4bit, "int8": bnb.nn.Linear8bitLt}
 
 
 def qlora_config(kind: str) -> PolicyConfig:
-    return PolicyConfig(dtype="float32", random_init=dict(TINY_DIMS), lora=LoRAConfig(r=4, alpha=8), quantization=kind,
+    return PolicyConfig(precision="fp32", random_init=dict(TINY_DIMS), lora=LoRAConfig(r=4, alpha=8), quantization=kind,
                         gradient_checkpointing=False)
 
 

@@ -131,7 +131,7 @@ def test_warm_start_learns_saves_and_loads(synth_kb, bm25, tmp_path):
     # The saved directory is a plain HF model (adapter merged) that the policy loader takes as is.
     meta = json.loads((tmp_path / "ws" / "lldslight_export.json").read_text())
     assert meta["warm_start"]["kept"] == 8
-    trained, tok = load_policy(PolicyConfig(model=str(tmp_path / "ws"), dtype="float32", lora=None, gradient_checkpointing=False))
+    trained, tok = load_policy(PolicyConfig(model=str(tmp_path / "ws"), precision="fp32", lora=None, gradient_checkpointing=False))
     initial, _ = load_policy(tiny_policy_config(lora=False))
     batch = pad_batch(build_gold_set(examples, bm25, tok, gold)[0], tok.pad_token_id)
     with torch.no_grad():

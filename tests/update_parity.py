@@ -27,7 +27,7 @@ def policy_config(**overrides):
     from lldslight.policy import LoRAConfig, PolicyConfig
 
     kw = {"gradient_checkpointing": False, **overrides}
-    return PolicyConfig(model="smollm2-135m-instruct", dtype="float32", random_init=dict(SMALL), lora=LoRAConfig(r=4, alpha=8), **kw)
+    return PolicyConfig(model="smollm2-135m-instruct", precision="fp32", random_init=dict(SMALL), lora=LoRAConfig(r=4, alpha=8), **kw)
 
 
 def make_setup(path: Path) -> dict:
