@@ -53,7 +53,7 @@ class FSDPConfig:
 
     Args:
         param_dtype: dtype weights are gathered and computed in; None = the stored dtype. With
-            ``policy.dtype: float32`` and ``param_dtype: bfloat16`` the optimiser keeps fp32 master
+            ``policy.precision: fp32`` and ``param_dtype: bfloat16`` the optimiser keeps fp32 master
             weights and compute runs in bf16 (needed for full fine-tuning at lr 1e-6: a bf16 weight
             cannot represent an update that small).
         reduce_dtype: dtype gradients are reduce-scattered in; None = ``param_dtype``.
