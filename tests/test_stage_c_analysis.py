@@ -236,6 +236,8 @@ def test_the_calibrations_third_round_demo_half_reads_from_its_archives(tmp_path
 ROUND3_REAL = {
     ("slowstart_skip_2e-3", 1): (True, 0.431, 3.81e-4),
     ("slowstart_skip_4e-3", 1): (True, 0.481, 3.46e-4),
+    ("slowstart_skip_2e-3", 2): (True, 0.481, 4.60e-4),
+    ("slowstart_skip_4e-3", 2): (True, 0.406, 4.41e-4),
 }
 
 
@@ -269,3 +271,5 @@ def test_the_calibrations_third_round_real_runs_recomputed_from_their_csvs(tmp_p
     assert statistics.median(float(rows[s]["train/lr"]) for s in steps) == pytest.approx(lr, rel=2e-3)
     assert got["real"][f"{arm}/seed{seed}"]["holds"] is held
     assert f"{last10:.3f}" in text
+    if seed >= 2:  # quoted from seed 2 on: answered over the last 10 steps
+        assert f"{sum(answered[-10:]) / 10:.3f}" in text
