@@ -354,8 +354,8 @@ def worker_lldslight(spec: dict) -> dict:
         # First in the callback list: its batch start runs before SearchRollout samples.
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             clock.begin(module.policy)
-            mark_stale = getattr(rollout.train_engine(module), "mark_stale", None)
-            if clock.measuring and mark_stale is not None:
+            mark_stale = getattr(rollout.train_engine(module), "mark_stale", None) if clock.measuring else None
+            if mark_stale is not None:
                 # vLLM: push the adapter in every timed step, as a run does once its updates move the
                 # weights; the backend skips an unchanged push, and the lab's warm-up batch at seed 0
                 # left the adapter as pushed (its timed steps recorded sync_s 0).

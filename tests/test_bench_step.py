@@ -221,19 +221,26 @@ def _doc() -> str:
     return (Path(__file__).resolve().parents[1] / "docs" / "lab" / "speed.md").read_text()
 
 
-def _committed_bf16_medians(name: str):
-    """(threads, med) per thread count of a committed bf16 step.py JSON in benchmarks/results/ (quiet, AVX512-BF16
-    recorded), with med(side, key) the median over the kept attempts computed here (statistics.median,
-    not the harness's summaries)."""
+def _committed_medians(name: str, precision: str, simd: str, lab: bool = False, lacks: str | None = None):
+    """(threads, kept attempts, med) per thread count of a committed step.py JSON in benchmarks/results/
+    (``lab``: its lab workload), made on a CPU whose recorded SIMD flags include ``simd`` (and not
+    ``lacks``) and on a quiet machine; med(side, key) is statistics.median over the kept attempts, computed here, not the
+    harness's summaries."""
     import statistics
     from pathlib import Path
 
     data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / name).read_text())
-    assert "avx512_bf16" in data["machine"]["cpu_flags_simd"]
-    for threads, res in data["precisions"]["bf16"]["threads"].items():
+    assert simd in data["machine"]["cpu_flags_simd"] and lacks not in data["machine"]["cpu_flags_simd"]
+    for threads, res in (data["lab"] if lab else data)["precisions"][precision]["threads"].items():
         assert res["quiet"]["quiet"]
         kept = [a for a in res["attempts"] if a["kept"]]
-        yield threads, lambda side, key, kept=kept: statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+        yield threads, kept, lambda side, key, kept=kept: statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+
+
+def _committed_bf16_medians(name: str):
+    """(threads, med) per thread count of a committed bf16 step.py JSON (AVX512-BF16 recorded)."""
+    for threads, _, med in _committed_medians(name, "bf16", "avx512_bf16"):
+        yield threads, med
 
 
 def test_speed_doc_quotes_the_committed_bf16_json():
@@ -478,19 +485,9 @@ def test_turn_end_cuts_after_the_stop_tag_or_eos(synth_kb, bm25):
 
 
 def _kept(name: str, lab: bool = False):
-    """(kept attempts, med) of a committed fp32, 2-thread step.py JSON in benchmarks/results/ made on
-    the AVX2-only EPYC (quiet, its SIMD flags recorded); med(side, key) is statistics.median over the
-    kept attempts, computed here, not the harness's summaries."""
-    import statistics
-    from pathlib import Path
-
-    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / name).read_text())
-    simd = data["machine"]["cpu_flags_simd"]
-    assert "avx2" in simd and "avx512_bf16" not in simd, simd
-    res = (data["lab"] if lab else data)["precisions"]["fp32"]["threads"]["2"]
-    assert res["quiet"]["quiet"]
-    kept = [a for a in res["attempts"] if a["kept"]]
-    return kept, lambda side, key: statistics.median(a["metrics"][key] for a in kept if a["side"] == side)
+    """(kept attempts, med) of a committed fp32, 2-thread step.py JSON made on the AVX2-only EPYC."""
+    runs = {threads: (kept, med) for threads, kept, med in _committed_medians(name, "fp32", "avx2", lab, lacks="avx512_bf16")}
+    return runs["2"]
 
 
 def _backends_doc() -> str:
