@@ -554,19 +554,16 @@ class VLLMGenerate:
         t0 = time.perf_counter()
         if self.weights == "merged":
             conn.client.load_weights(merged_weights(model))
-            conn.synced = [p.clone() for p in trainable]
-            conn.syncs += 1
-            self.stats["sync_s"] = self.stats.get("sync_s", 0.0) + time.perf_counter() - t0
-            return
-        folder = conn.workdir / f"adapter-{conn.syncs}"
-        model.save_pretrained(str(folder), safe_serialization=True)
-        try:
-            conn.client.load_adapter(str(folder))
-        except VLLMError as err:
-            raise VLLMError(_adapter_refusal(str(err), self._policy_rank(model))) from None
-        if conn.adapter is not None:
-            shutil.rmtree(conn.adapter, ignore_errors=True)
-        conn.adapter = str(folder)
+        else:
+            folder = conn.workdir / f"adapter-{conn.syncs}"
+            model.save_pretrained(str(folder), safe_serialization=True)
+            try:
+                conn.client.load_adapter(str(folder))
+            except VLLMError as err:
+                raise VLLMError(_adapter_refusal(str(err), self._policy_rank(model))) from None
+            if conn.adapter is not None:
+                shutil.rmtree(conn.adapter, ignore_errors=True)
+            conn.adapter = str(folder)
         conn.synced = [p.clone() for p in trainable]
         conn.syncs += 1
         self.stats["sync_s"] = self.stats.get("sync_s", 0.0) + time.perf_counter() - t0
