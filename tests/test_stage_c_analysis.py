@@ -238,6 +238,8 @@ ROUND3_REAL = {
     ("slowstart_skip_4e-3", 1): (True, 0.481, 3.46e-4),
     ("slowstart_skip_2e-3", 2): (True, 0.481, 4.60e-4),
     ("slowstart_skip_4e-3", 2): (True, 0.406, 4.41e-4),
+    ("slowstart_skip_2e-3", 3): (True, 0.5125, 2.44e-4),
+    ("slowstart_skip_4e-3", 3): (True, 0.575, 3.06e-4),
 }
 
 
@@ -273,3 +275,31 @@ def test_the_calibrations_third_round_real_runs_recomputed_from_their_csvs(tmp_p
     assert f"{last10:.3f}" in text
     if seed >= 2:  # quoted from seed 2 on: answered over the last 10 steps
         assert f"{sum(answered[-10:]) / 10:.3f}" in text
+
+
+def test_the_calibrations_third_round_reads_calibrated(tmp_path):
+    """Round 3's verdict as CALIBRATION_real_lm_C.md and docs/stability.md state it: nothing missing,
+    every real-model run held, and the own-rate interval recomputed here with scipy's t quantile (not
+    the lab's table) from the archived summaries."""
+    import statistics
+
+    from scipy.stats import t
+
+    from tests.conftest import ROOT
+
+    got = _calib_round(3, tmp_path)
+    assert got["missing"] == [] and got["verdict"] == "calibrated"
+    assert len(got["real"]) == 6 and all(r["holds"] for r in got["real"].values())
+    demo = ROOT / "lab" / "archive" / "demo" / "c_calib"
+    change = lambda p: json.loads((p / "summary.json").read_text())["dev_em_change"]["change"]  # noqa: E731
+    pairs = [change(demo / "round3" / "stable_5.0e-4" / f"seed{s}") - change(demo / "shipped" / f"seed{s}") for s in (6, 7, 8)]
+    mean, half = statistics.fmean(pairs), float(t.ppf(0.975, 2)) * statistics.stdev(pairs) / len(pairs) ** 0.5
+    quoted = f"{mean:+.3f} (95% t interval {mean - half:+.3f} to {mean + half:+.3f}, 3 seeds)"
+    assert quoted == "-0.026 (95% t interval -0.378 to +0.326, 3 seeds)"
+    calibration = (ROOT / "lab" / "archive" / "collapse" / "CALIBRATION_real_lm_C.md").read_text()
+    stability = (ROOT / "docs" / "stability.md").read_text()
+    for text in (calibration, stability):
+        assert quoted in " ".join(text.split())
+    assert "15 of 15 runs not lost" in " ".join(calibration.split())
+    assert got["checks"]["demo_4x_8x_not_lost"] is True and len([k for k in got["demo"] if not k.startswith("shipped")]) == 9
+    assert "kept 6 of 6 real-model runs alive" in " ".join(stability.split())
