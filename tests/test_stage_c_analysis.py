@@ -303,3 +303,16 @@ def test_the_calibrations_third_round_reads_calibrated(tmp_path):
     assert "15 of 15 runs not lost" in " ".join(calibration.split())
     assert got["checks"]["demo_4x_8x_not_lost"] is True and len([k for k in got["demo"] if not k.startswith("shipped")]) == 9
     assert "kept 6 of 6 real-model runs alive" in " ".join(stability.split())
+    # collapse_lab.md's summary line: the ranges over the six real-model runs, from the CSVs
+    last10, rates = [], []
+    for arm in ("slowstart_skip_2e-3", "slowstart_skip_4e-3"):
+        for seed in (1, 2, 3):
+            path = ROOT / "lab" / "archive" / "collapse" / "real_lm_C_calib" / arm / f"seed{seed}" / "metrics.csv.gz"
+            with gzip.open(path, "rt", newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("train/reward")]
+            last10.append(sum(float(r["train/reward"]) for r in rows[-10:]) / 10)
+            rates.append(statistics.median(float(r["train/lr"]) for r in rows))
+    lab = " ".join((ROOT / "docs" / "lab" / "collapse_lab.md").read_text().split())
+    assert (f"15 of 15 runs not lost. Real model: 6 of 6 held (last-10 reward {min(last10):.3f}-{max(last10):.3f}, "
+            f"median rate {min(rates):.2e} to {max(rates):.2e}".replace("e-0", "e-")) in lab
+    assert max(rates) <= 5e-4 and quoted in lab  # "at or under GRPO's best fixed rate"
