@@ -214,6 +214,12 @@ def test_the_calibrations_second_round_reads_not_calibrated_from_its_archives(tm
     assert "slowstart_cut_2e-3/seed1" in got["missing"] and "stable_2.0e-3/seed7" in got["missing"]
 
 
+def _own_rate_pairs(demo) -> list[float]:
+    """Round 3's own-rate pairs, seeds 6-8: the preset's dev EM change minus the shipped demo's, from the summaries."""
+    change = lambda p: json.loads((p / "summary.json").read_text())["dev_em_change"]["change"]  # noqa: E731
+    return [change(demo / "round3" / "stable_5.0e-4" / f"seed{s}") - change(demo / "shipped" / f"seed{s}") for s in (6, 7, 8)]
+
+
 def test_the_calibrations_third_round_demo_half_reads_from_its_archives(tmp_path):
     """Round 3 (no optimiser step on a zero gradient): none of its 9 demo runs lost, read here with
     json and csv; the own-rate pairs (preset minus shipped dev EM change) recomputed from the summaries."""
@@ -225,8 +231,7 @@ def test_the_calibrations_third_round_demo_half_reads_from_its_archives(tmp_path
     demo = ROOT / "lab" / "archive" / "demo" / "c_calib"
     assert len(list((demo / "round3").glob("stable_*/seed*/summary.json"))) == 9
     assert _lost_demo_runs(demo / "round3") == [] and got["checks"]["demo_4x_8x_not_lost"] is True
-    change = lambda p: json.loads((p / "summary.json").read_text())["dev_em_change"]["change"]  # noqa: E731
-    pairs = [change(demo / "round3" / "stable_5.0e-4" / f"seed{s}") - change(demo / "shipped" / f"seed{s}") for s in (6, 7, 8)]
+    pairs = _own_rate_pairs(demo)
     assert got["own_rate"]["pairs"] == pytest.approx(pairs) and statistics.fmean(pairs) == pytest.approx(-0.026, abs=5e-4)
     assert not [k for k in got["missing"] if not k.startswith("slowstart_skip_")]  # only the real-model half is missing
 
@@ -281,8 +286,6 @@ def test_the_calibrations_third_round_reads_calibrated(tmp_path):
     """Round 3's verdict as CALIBRATION_real_lm_C.md and docs/stability.md state it: nothing missing,
     every real-model run held, and the own-rate interval recomputed here with scipy's t quantile (not
     the lab's table) from the archived summaries."""
-    import statistics
-
     from scipy.stats import t
 
     from tests.conftest import ROOT
@@ -291,8 +294,7 @@ def test_the_calibrations_third_round_reads_calibrated(tmp_path):
     assert got["missing"] == [] and got["verdict"] == "calibrated"
     assert len(got["real"]) == 6 and all(r["holds"] for r in got["real"].values())
     demo = ROOT / "lab" / "archive" / "demo" / "c_calib"
-    change = lambda p: json.loads((p / "summary.json").read_text())["dev_em_change"]["change"]  # noqa: E731
-    pairs = [change(demo / "round3" / "stable_5.0e-4" / f"seed{s}") - change(demo / "shipped" / f"seed{s}") for s in (6, 7, 8)]
+    pairs = _own_rate_pairs(demo)
     mean, half = statistics.fmean(pairs), float(t.ppf(0.975, 2)) * statistics.stdev(pairs) / len(pairs) ** 0.5
     quoted = f"{mean:+.3f} (95% t interval {mean - half:+.3f} to {mean + half:+.3f}, 3 seeds)"
     assert quoted == "-0.026 (95% t interval -0.378 to +0.326, 3 seeds)"
