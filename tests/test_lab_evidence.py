@@ -56,8 +56,20 @@ def test_committed_report_is_recomputed_from_its_metrics(collapse, name: str, tm
                 shutil.copy(run / f, dst / run.relative_to(src) / f)
     shutil.copy(src / "collapse.json", dst / "collapse.json")
     assert collapse.main(["--name", name, "--report-only", "--no-figure", "--archive", str(dst)]) == 0
+    reports = ("collapse.md", "collapse.json")
+    if not (src / "collapse.md").is_file():
+        # A registered set under way commits its run record (collapse.json: each run's machine kind and
+        # CPU time) after every sitting, but not the runner's table: its per-arm tests on a partial set
+        # are not the registered analysis. Only Stage C may be in that state, and only while runs are
+        # missing; once all are archived, its table must be committed like every other set's.
+        stage_c = load_lab("stage_c")
+        archived = len(list(src.glob("*/seed*/summary.json")))
+        assert name == stage_c.NAME and archived < len(stage_c.ROLES) * len(stage_c.SEEDS), (
+            f"lab/archive/collapse/{name}/collapse.md is missing: run "
+            f"`python lab/collapse.py --name {name} --report-only`")
+        reports = ("collapse.json",)
     # byte for byte, as lab/README.md promises of the rerun it documents
-    for report in ("collapse.md", "collapse.json"):
+    for report in reports:
         assert (dst / report).read_bytes() == (src / report).read_bytes(), (
             f"lab/archive/collapse/{name}/{report} differs from its recomputation: run "
             f"`python lab/collapse.py --name {name} --report-only`")
