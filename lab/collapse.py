@@ -107,6 +107,23 @@ def archive_run(src: Path, dest: Path) -> None:
         shutil.copy(src / "summary.json", dest / "summary.json")
 
 
+RUN_RECORD = "run.json"
+
+
+def with_run_records(runs: dict[str, dict], archive: Path, jobs: list[tuple[str, int]]) -> dict[str, dict]:
+    """``runs`` with each job it holds no record of filled from the run's own ``RUN_RECORD``, if any
+    (a run whose invocation ended before it wrote collapse.json)."""
+    runs = dict(runs)
+    for arm, seed in jobs:
+        path = archive / arm / f"seed{seed}" / RUN_RECORD
+        if not runs.get(f"{arm}/seed{seed}") and path.is_file():
+            try:
+                runs[f"{arm}/seed{seed}"] = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"collapse: {path}: not JSON ({err}); the run's record is damaged") from None
+    return runs
+
+
 _RUNNING: set[subprocess.Popen] = set()  # every live child, so an interrupt can stop them all
 
 
@@ -157,8 +174,10 @@ def run_child(name: str, cmd: list[str], log_path: Path, threads: Optional[int] 
     return wall, cpu
 
 
-def run_all(commands: dict[tuple[str, int], list[str]], out: Path, archive: Path, jobs: int, threads: int) -> dict[str, dict]:
-    """Every run, ``jobs`` at a time; a failed run is recorded, not fatal; each finished run is archived."""
+def run_all(commands: dict[tuple[str, int], list[str]], out: Path, archive: Path, jobs: int, threads: int,
+            kinds: dict[tuple[str, int], dict]) -> dict[str, dict]:
+    """Every run, ``jobs`` at a time; a failed run is recorded, not fatal; each finished run is archived
+    with its run record (``RUN_RECORD``: command, wall and CPU seconds, machine kind)."""
     results: dict[str, dict] = {}
 
     def one(key: tuple[str, int]) -> None:
@@ -168,8 +187,14 @@ def run_all(commands: dict[tuple[str, int], list[str]], out: Path, archive: Path
         entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:]).replace(f"{ROOT}/", "")}
         try:
             entry["wall_s"], entry["cpu_s"] = run_child(name, commands[key], out / "logs" / f"{arm}_seed{seed}.log", threads)
-            archive_run(run_dir(out, arm, seed), archive / arm / f"seed{seed}")
+            entry["machine_kind"] = kinds[key]
+            dest = archive / arm / f"seed{seed}"
+            archive_run(run_dir(out, arm, seed), dest)
+            # Beside the metrics, not only in collapse.json (written once the invocation ends): a set
+            # whose invocation is cut short keeps each finished run's machine kind and CPU time.
+            (dest / RUN_RECORD).write_text(json.dumps(entry, indent=1) + "\n")
         except RuntimeError as err:
+            entry["machine_kind"] = kinds[key]
             entry["error"] = str(err)
 
     pool = ThreadPoolExecutor(max(1, jobs))
@@ -476,6 +501,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not jobs:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
+        meta["runs"] = with_run_records(meta.get("runs", {}), archive, jobs)
         # An archive without its collapse.json: the horizon is the recipe's max_steps, as for a new run.
         horizon = args.horizon or meta.get("horizon") or recipe_steps(args.recipe or meta.get("recipe") or (SMOKE_RECIPE if args.smoke else DEFAULT_RECIPE))
         # The hold a set was registered with is kept in its meta: a later --report-only uses it. A set
@@ -548,16 +574,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          args.extra_configs, overrides) for arm, seed in todo}
     previous = archive / "collapse.json"
     earlier = recorded_meta(previous).get("runs", {}) if previous.is_file() else {}
-    new_runs = run_all(commands, out, archive, args.jobs, args.threads)
     # A set spans sessions and maybe machines: each run keeps the machine kind it ran on (CPU model,
     # SIMD flags, its init's digest), the stratum of a stratified test.
     kind = {k: meta["machine"].get(k) for k in ("cpu_model", "cpu_flags_simd", "cpu_capability", "torch")}
-    for (arm, seed) in todo:
-        new_runs.setdefault(f"{arm}/seed{seed}", {})["machine_kind"] = {
-            **kind, "init": policy_of.get(seed), "init_digest": (meta.get("inits") or {}).get(policy_of.get(seed))}
+    kinds = {(arm, seed): {**kind, "init": policy_of.get(seed), "init_digest": (meta.get("inits") or {}).get(policy_of.get(seed))}
+             for arm, seed in todo}
+    new_runs = run_all(commands, out, archive, args.jobs, args.threads, kinds)
     # Every run of the set keeps its entry, those of earlier invocations with other arms or seeds too
     # (a set filled round by round once kept only its last round's machine kinds and CPU times).
-    meta["runs"] = {**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
+    meta["runs"] = with_run_records({**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs},
+                                    archive, done)
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (recorded_meta(previous).get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -158,11 +159,11 @@ def test_a_set_filled_in_rounds_keeps_every_runs_entry(collapse, tmp_path, monke
     still holds round 1's run entries (machine kind, CPU time) after round 2."""
     archive, out = tmp_path / "archive", tmp_path / "runs"
 
-    def fake_run_all(commands, out, archive, jobs, threads):  # each run "finishes" with known metrics
+    def fake_run_all(commands, out, archive, jobs, threads, kinds):  # each run "finishes" with known metrics
         runs = {}
         for arm, seed in commands:
             archived(archive / arm / f"seed{seed}", [0.5] * 40)
-            runs[f"{arm}/seed{seed}"] = {"wall_s": 60.0, "cpu_s": 50.0 + seed}
+            runs[f"{arm}/seed{seed}"] = {"wall_s": 60.0, "cpu_s": 50.0 + seed, "machine_kind": kinds[(arm, seed)]}
         return runs
 
     monkeypatch.setattr(collapse, "run_all", fake_run_all)
@@ -173,6 +174,38 @@ def test_a_set_filled_in_rounds_keeps_every_runs_entry(collapse, tmp_path, monke
     runs = json.loads((archive / "collapse.json").read_text())["meta"]["runs"]
     assert sorted(runs) == ["grpo/seed1", "grpo/seed2", "llds/seed1", "llds/seed2"]
     assert runs["grpo/seed2"]["cpu_s"] == 52.0 and runs["grpo/seed1"]["machine_kind"]["init_digest"] == "d0"
+
+
+def test_a_run_keeps_its_record_when_the_invocation_is_cut_short(collapse, tmp_path) -> None:
+    """Each finished run writes its record (command, wall and CPU seconds, machine kind) beside its
+    metrics; an invocation stopped before it writes collapse.json loses none of it: a report of the
+    archive reads the run's own record."""
+    archive, out = tmp_path / "archive", tmp_path / "runs"
+    rows = pd.DataFrame({"step": range(30), "train/reward": [0.5] * 30, "train/answered_rate": [1.0] * 30,
+                         "diag/tool_call_rate": [1.0] * 30, "train/grad_norm_max": [1.0] * 30})
+    csv = tmp_path / "rows.csv"
+    rows.to_csv(csv, index=False)
+    target = collapse.run_dir(out, "grpo", 7)
+    # A real child process: what run_all measures is its own child's wall and CPU time.
+    child = [sys.executable, "-c", f"import pathlib, shutil; d = pathlib.Path({str(target)!r}); d.mkdir(parents=True); "
+             f"shutil.copy({str(csv)!r}, d / 'metrics.csv'); sum(range(3_000_000))"]
+    kind = {"cpu_model": "model X", "cpu_flags_simd": ["avx2"], "init": "policy", "init_digest": "d7"}
+    runs = collapse.run_all({("grpo", 7): child}, out, archive, jobs=1, threads=1, kinds={("grpo", 7): kind})
+    record = json.loads((archive / "grpo" / "seed7" / collapse.RUN_RECORD).read_text())
+    assert record == runs["grpo/seed7"] and record["machine_kind"] == kind
+    assert record["wall_s"] > 0 and 0 < record["cpu_s"] < record["wall_s"] + 1.0 and record["command"].startswith("-c ")
+    assert not (archive / "collapse.json").exists()  # the invocation "ended" here, before its report
+    assert collapse.main(["--report-only", "--no-figure", "--archive", str(archive), "--out", str(out), "--horizon", "30"]) == 0
+    report = json.loads((archive / "collapse.json").read_text())
+    assert report["meta"]["runs"]["grpo/seed7"] == record
+    assert report["runs"][0]["cpu_s"] == record["cpu_s"] and report["runs"][0]["steps"] == 30
+    # A damaged record is named, and the report left as it was.
+    report["meta"]["runs"] = {}
+    (archive / "collapse.json").write_text(json.dumps(report))
+    (archive / "grpo" / "seed7" / collapse.RUN_RECORD).write_text('{"command": ')
+    with pytest.raises(SystemExit, match=r"run\.json: not JSON .*the run's record is damaged"):
+        collapse.main(["--report-only", "--no-figure", "--archive", str(archive), "--out", str(out)])
+    assert json.loads((archive / "collapse.json").read_text())["meta"]["runs"] == {}
 
 
 def a_reported_set(collapse, tmp_path: Path) -> dict[str, bytes]:
