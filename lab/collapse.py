@@ -110,6 +110,17 @@ def archive_run(src: Path, dest: Path) -> None:
 RUN_RECORD = "run.json"
 
 
+def set_jobs(archive: Path, meta: dict) -> list[tuple[str, int]]:
+    """Every run a set reports: each archived run, and each run its last invocation named that has a
+    record (a failed run); the last invocation's arms first (its first arm is the baseline). A set is
+    filled by several invocations (a lab spans sessions)."""
+    archived = {(p.parent.name, int(p.name[4:])) for p in archive.glob("*/seed*") if (p / "metrics.csv.gz").is_file()}
+    named = [(a, s) for a in meta.get("arms", []) for s in meta.get("seeds", [])]
+    order = list(dict.fromkeys([a for a, _ in named] + sorted(a for a, _ in archived)))
+    return sorted({j for j in named if j in archived or f"{j[0]}/seed{j[1]}" in meta.get("runs", {})} | archived,
+                  key=lambda j: (order.index(j[0]), j[1]))
+
+
 def with_run_records(runs: dict[str, dict], archive: Path, jobs: list[tuple[str, int]]) -> dict[str, dict]:
     """``runs`` with each job it holds no record of filled from the run's own ``RUN_RECORD``, if any
     (a run whose invocation ended before it wrote collapse.json)."""
@@ -491,13 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"{', '.join(ignored)} would be ignored; leave {'it' if len(ignored) == 1 else 'them'} out "
                              "(to run other arms or seeds, drop --report-only)")
         meta = recorded
-        # A set is filled by several invocations (a lab spans sessions): report every archived run,
-        # the last invocation's arms first (its first arm is the baseline).
-        archived = {(p.parent.name, int(p.name[4:])) for p in archive.glob("*/seed*") if (p / "metrics.csv.gz").is_file()}
-        named = [(a, s) for a in meta.get("arms", []) for s in meta.get("seeds", [])]
-        order = list(dict.fromkeys([a for a, _ in named] + sorted(a for a, _ in archived)))
-        jobs = sorted({j for j in named if j in archived or f"{j[0]}/seed{j[1]}" in meta.get("runs", {})} | archived,
-                      key=lambda j: (order.index(j[0]), j[1]))
+        jobs = set_jobs(archive, meta)
         if not jobs:
             raise SystemExit(f"collapse: no archived run in {archive} (expected {archive}/<arm>/seed<S>/metrics.csv.gz)")
         arms = list(dict.fromkeys(a for a, _ in jobs))
@@ -582,13 +587,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     new_runs = run_all(commands, out, archive, args.jobs, args.threads, kinds)
     # Every run of the set keeps its entry, those of earlier invocations with other arms or seeds too
     # (a set filled round by round once kept only its last round's machine kinds and CPU times).
-    meta["runs"] = with_run_records({**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs},
-                                    archive, done)
+    meta["runs"] = {**earlier, **{f"{a}/seed{s}": earlier.get(f"{a}/seed{s}", {}) for a, s in done}, **new_runs}
+    reported = set_jobs(archive, meta)
+    meta["runs"] = with_run_records(meta["runs"], archive, reported)
     meta["wall_s"] = time.perf_counter() - t0
     meta["hold"] = args.hold or (recorded_meta(previous).get("hold") if previous.is_file() else None) \
         or C.CollapseCriteria().hold
     try:
-        report(archive, jobs, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
+        # The set's report, not this invocation's: a set filled seed by seed reports every archived run,
+        # as --report-only does, so the two write the same collapse.json.
+        report(archive, reported, labels, meta["baseline"], horizon, meta, C.CollapseCriteria(hold=meta["hold"]))
     except UserError as err:
         raise SystemExit(f"collapse: {err}") from None
     failed = [n for n, r in meta["runs"].items() if "error" in r]

@@ -171,9 +171,17 @@ def test_a_set_filled_in_rounds_keeps_every_runs_entry(collapse, tmp_path, monke
     common = ["--seeds", "1", "2", "--steps", "40", "--no-build", "--inits", "policy", "--out", str(out), "--archive", str(archive)]
     assert collapse.main(["--arms", "grpo", *common]) == 0
     assert collapse.main(["--arms", "llds", *common]) == 0
-    runs = json.loads((archive / "collapse.json").read_text())["meta"]["runs"]
+    written = (archive / "collapse.json").read_bytes()
+    payload = json.loads(written)
+    runs = payload["meta"]["runs"]
     assert sorted(runs) == ["grpo/seed1", "grpo/seed2", "llds/seed1", "llds/seed2"]
     assert runs["grpo/seed2"]["cpu_s"] == 52.0 and runs["grpo/seed1"]["machine_kind"]["init_digest"] == "d0"
+    # Round 2's report is the set's (round 1's runs too, each with its CPU time), and a report of the
+    # archive alone writes the same bytes.
+    assert [(r["arm"], r["seed"], r["cpu_s"]) for r in payload["runs"]] == [
+        ("llds", 1, 51.0), ("llds", 2, 52.0), ("grpo", 1, 51.0), ("grpo", 2, 52.0)]
+    assert collapse.main(["--report-only", "--no-figure", "--archive", str(archive), "--out", str(out)]) == 0
+    assert (archive / "collapse.json").read_bytes() == written
 
 
 def test_a_run_keeps_its_record_when_the_invocation_is_cut_short(collapse, tmp_path) -> None:
