@@ -195,17 +195,16 @@ def run_all(commands: dict[tuple[str, int], list[str]], out: Path, archive: Path
         arm, seed = key
         name = f"{arm}/seed{seed}"
         # Recorded relative to the repository: an archive names no machine's paths.
-        entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:]).replace(f"{ROOT}/", "")}
+        entry = results[name] = {"command": " ".join(shlex.quote(a) for a in commands[key][1:]).replace(f"{ROOT}/", ""),
+                                 "machine_kind": kinds[key]}
         try:
             entry["wall_s"], entry["cpu_s"] = run_child(name, commands[key], out / "logs" / f"{arm}_seed{seed}.log", threads)
-            entry["machine_kind"] = kinds[key]
             dest = archive / arm / f"seed{seed}"
             archive_run(run_dir(out, arm, seed), dest)
             # Beside the metrics, not only in collapse.json (written once the invocation ends): a set
             # whose invocation is cut short keeps each finished run's machine kind and CPU time.
             (dest / RUN_RECORD).write_text(json.dumps(entry, indent=1) + "\n")
         except RuntimeError as err:
-            entry["machine_kind"] = kinds[key]
             entry["error"] = str(err)
 
     pool = ThreadPoolExecutor(max(1, jobs))
