@@ -22,7 +22,11 @@ test on a partial set). Then:
   collapse step if its reward is not 0) and over the run's first 10 steps; the step of the most negative lld/delta_correct and
   of the largest drift in those 10; the phase detector's first warning (lld/warning) and the collapse
   alarm replayed offline (``replay_alarm``) with the registered short baseline (``ALARM``): its first
-  firing and lead, and its firings in runs that held (false alarms).
+  firing and lead, and its firings in runs that held (false alarms);
+- **post hoc** (added after seeds 20-26 were seen; descriptive, never a test: ``at_horizon``): where each
+  run stood when H ended it: the unbroken stretch of steps ending at its last step on which the
+  registered collapse condition held, and its trailing-20 reward's peak. A run that held by the rule
+  with a long stretch there was dying, not kept alive, when the horizon stopped it.
 """
 from __future__ import annotations
 
@@ -119,6 +123,43 @@ def signals(train, outcome: dict) -> dict:
     return out
 
 
+def at_horizon(train) -> dict:
+    """Post hoc, descriptive (added after seeds 20-26, stated beside P1): the collapse rule's own flags
+    (``reward_low`` or ``answered_low`` under ``CollapseCriteria(hold=HOLD)``), read at the horizon.
+    ``flagged_at_h``: how many consecutive steps, ending at the run's last step, were flagged (a run
+    held by the rule has fewer than HOLD; HOLD or more means its stretch reached the hold);
+    ``trailing_peak`` / ``trailing_at_h``: the trailing-20 reward's running peak and its value at the
+    last step (None when never finite)."""
+    crit = C.CollapseCriteria(hold=HOLD)
+    reward = C.column(train, "train/reward") or []
+    answered = C.column(train, "train/answered_rate")
+    flags = C.reward_low(reward, crit)
+    if answered is not None:
+        flags = [r or a for r, a in zip(flags, C.answered_low(answered, crit))]
+    stretch = 0
+    for flagged in reversed(flags):
+        if not flagged:
+            break
+        stretch += 1
+    smooth = C.trailing_mean(reward, crit.smooth)
+    peak = C.running_peak(smooth)
+    last = lambda values: values[-1] if values and math.isfinite(values[-1]) else None  # noqa: E731
+    return {"flagged_at_h": stretch, "trailing_peak": last(peak), "trailing_at_h": last(smooth)}
+
+
+def held_at_horizon(outcomes: dict[str, dict[int, dict]], seeds: list[int]) -> dict:
+    """Per arm, its runs that held by the rule, and among them those still inside the collapse
+    condition at H (``flagged_at_h`` > 0), with each stretch (post hoc, descriptive)."""
+    out = {}
+    for role in ROLES:
+        held = [s for s in seeds if not outcomes[role][s]["collapsed"]]
+        inside = {s: outcomes[role][s]["flagged_at_h"] for s in held if outcomes[role][s]["flagged_at_h"] > 0}
+        peaks = [outcomes[role][s]["trailing_peak"] for s in seeds if outcomes[role][s]["trailing_peak"] is not None]
+        out[role] = {"held": len(held), "inside_at_h": len(inside), "stretches": inside,
+                     "trailing_peak_range": [min(peaks), max(peaks)] if peaks else None}
+    return out
+
+
 def wilcoxon_p3(d: list[float]) -> dict:
     """P3: exact Wilcoxon signed-rank test that the median of d + MARGIN is above 0 (zeros dropped)."""
     from scipy.stats import wilcoxon
@@ -151,12 +192,13 @@ def analyse(outcomes: dict[str, dict[int, dict]], kinds: dict[int, tuple]) -> di
     return {"seeds": seeds, "horizon": HORIZON, "hold": HOLD, "alpha": ALPHA, "family": "Holm over P1, P2",
             "collapsed": {role: sum(outcomes[role][s]["collapsed"] for s in seeds) for role in ROLES},
             "grpo_median_time": grpo_median, "horizon_rule_holds": horizon_ok, "claims": claims, "p3": p3,
-            "p3_differences": dict(zip(seeds, d)), "secondary": secondary, "last20_means": means}
+            "p3_differences": dict(zip(seeds, d)), "secondary": secondary, "last20_means": means,
+            "post_hoc_at_horizon": held_at_horizon(outcomes, seeds)}
 
 
 def report(lab: Path = LAB) -> dict:
     """Stage C from its archive: counts only while a registered run is missing; complete, the analysis."""
-    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t, o: {**final_rates(t, FINAL), **signals(t, o)},
+    outcomes, kinds, missing, metas = collect(lab, SETS, more=lambda t, o: {**final_rates(t, FINAL), **signals(t, o), **at_horizon(t)},
                                               horizon=HORIZON, final_window=FINAL)
     meta = metas.get(NAME) or {}
     if meta and meta.get("horizon") not in (None, HORIZON):
@@ -184,13 +226,13 @@ def text(rep: dict) -> str:
     lines = ["| arm | runs archived of registered |", "|---|---|"]
     lines += [f"| {role} ({ROLES[role][1]}) | {c['archived']} of {c['registered']} |" for role, c in rep["counts"].items()]
     if rep["runs"]:
-        lines += ["", "| arm | seed | collapsed by H | time | last-20 reward | answered | tool calls | alarm (lead) | machine kind |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| arm | seed | collapsed by H | time | last-20 reward | answered | tool calls | alarm (lead) | machine kind "
+                  "| flagged at H (post hoc) | trailing-20 peak |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rep["runs"]:
             alarm = (f"{r['alarm_firings'][0]} ({_num(r['alarm_lead'], '.0f')})" if r["alarm_firings"] else "none")
             lines.append(f"| {r['role']} | {r['seed']} | {'yes' if r['collapsed'] else 'no'} | {r['time']:.0f} "
                          f"| {_num(r['final_reward'], '.3f')} | {_num(r['final_answered'], '.2f')} | {_num(r['final_tool_call'], '.2f')} "
-                         f"| {alarm} | {kind_label(r['machine_kind'])} |")
+                         f"| {alarm} | {kind_label(r['machine_kind'])} | {r['flagged_at_h']} | {_num(r['trailing_peak'], '.3f')} |")
         dead = [r for r in rep["runs"] if r["signals_before"]]
         if dead:
             lines += ["", "Signals over the 10 steps before each death (first 10 steps in brackets):", "",
@@ -216,6 +258,13 @@ def text(rep: dict) -> str:
     p3 = rep["p3"]
     lines.append(f"P3 (preset - best, last-20 reward, margin {MARGIN}): median d {p3['median_d']:+.3f}, {p3['test']}, "
                  f"n {p3['n']}, p = {p3['p']:.4f} -> {p3['verdict']}.")
+    lines.append(f"Post hoc (added after seeds 20-26 were seen; descriptive, not a test): runs held by the rule but inside "
+                 f"the collapse condition when H ended them (unbroken flagged steps at H; hold {HOLD}):")
+    for role, h in rep["post_hoc_at_horizon"].items():
+        stretches = ", ".join(f"seed {s}: {n}" for s, n in h["stretches"].items()) or "none"
+        peak = h["trailing_peak_range"]
+        lines.append(f"- {role}: {h['inside_at_h']} of {h['held']} held ({stretches}); trailing-20 reward peak "
+                     f"{'-' if peak is None else f'{peak[0]:.2f}-{peak[1]:.2f}'} over its {n} runs.")
     for pair, s in rep["secondary"].items():
         rd, fr = s["rmst_difference"], s["final_reward"]
         lines.append(f"{pair}: RMST {rd['diff']:+.1f} steps [{rd['low']:+.1f}, {rd['high']:+.1f}]; last-20 reward "

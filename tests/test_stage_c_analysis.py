@@ -139,10 +139,64 @@ def test_signals_before_each_death_from_the_raw_csv(rep) -> None:
     assert held["signals_before"] is None and held["alarm_false"] == len(held["alarm_firings"])
 
 
+def test_at_horizon_on_hand_worked_runs() -> None:
+    """The post hoc reading at H on two 40-step runs worked by hand (trailing means over 20 steps)."""
+    import pandas as pd
+
+    steps = range(40)
+    # 25 steps of reward 1 then 15 of 0: the trailing-20 mean first reaches 0.5 x its peak 1.0 at step 34
+    # (steps 15-34 hold ten 1s), so steps 34-39 are flagged: 6; at step 39 the window 20-39 holds five 1s.
+    fall = pd.DataFrame({"train/reward": [1.0] * 25 + [0.0] * 15, "train/answered_rate": [1.0] * 40}, index=steps)
+    assert stage_c.at_horizon(fall) == {"flagged_at_h": 6, "trailing_peak": 1.0, "trailing_at_h": 0.25}
+    # flat reward, answered 1 then 0 from step 20: the trailing answered rate is < 0.5 once 11 zeros are in
+    # the window (step 30), so steps 30-39 are flagged: 10; the reward never falls from its peak.
+    quiet = pd.DataFrame({"train/reward": [0.5] * 40, "train/answered_rate": [1.0] * 20 + [0.0] * 20}, index=steps)
+    assert stage_c.at_horizon(quiet) == {"flagged_at_h": 10, "trailing_peak": 0.5, "trailing_at_h": 0.5}
+    # the stretch counts back from the last step only: a recovery on the last step ends it
+    back = pd.DataFrame({"train/reward": [1.0] * 25 + [0.0] * 14 + [20.0], "train/answered_rate": [1.0] * 40}, index=steps)
+    assert stage_c.at_horizon(back)["flagged_at_h"] == 0
+    # no reward ever: no positive peak, nothing flagged by reward, and no finite peak to report
+    none = pd.DataFrame({"train/reward": [0.0] * 40}, index=steps)
+    assert stage_c.at_horizon(none) == {"flagged_at_h": 0, "trailing_peak": 0.0, "trailing_at_h": 0.0}
+
+
+def test_at_horizon_from_the_raw_csv(rep) -> None:
+    """flagged_at_h and the trailing peak of every stand-in run, recomputed here from the raw CSV."""
+    for r in rep["runs"]:
+        rows = raw(source_seed(r["seed"]), STAND_IN[r["role"]])
+        kept = [s for s in sorted(rows) if s < 80]
+        reward = [rows[s]["train/reward"] for s in kept]
+        answered = [rows[s].get("train/answered_rate", math.nan) for s in kept]
+        smooth, flags, peak = [], [], -math.inf
+        for i in range(len(kept)):
+            if i < 19:
+                smooth.append(math.nan)
+                flags.append(False)
+                continue
+            m = statistics.fmean(reward[i - 19:i + 1])
+            a = [v for v in answered[i - 19:i + 1] if not math.isnan(v)]
+            peak = max(peak, m)
+            smooth.append(m)
+            flags.append((peak > 0 and m <= 0.5 * peak) or (bool(a) and statistics.fmean(a) < 0.5))
+        stretch = len(flags) - max((i + 1 for i, f in enumerate(flags) if not f), default=0)
+        assert r["flagged_at_h"] == stretch, (r["role"], r["seed"])
+        assert r["trailing_peak"] == pytest.approx(peak, abs=1e-12) and r["trailing_at_h"] == pytest.approx(smooth[-1], abs=1e-12)
+        if not r["collapsed"]:
+            assert stretch < 30  # held by the rule: its flagged stretch never reached the hold
+    # the stand-in "best" is Stage A's GRPO at 1e-3: seed 3 died at step 69, held by H = 80 but flagged at its end
+    h = rep["post_hoc_at_horizon"]
+    best = {r["seed"]: r for r in rep["runs"] if r["role"] == "best"}
+    assert h["best"]["held"] == sum(not r["collapsed"] for r in best.values())
+    assert h["best"]["stretches"] == {s: r["flagged_at_h"] for s, r in best.items() if not r["collapsed"] and r["flagged_at_h"] > 0}
+    assert h["best"]["inside_at_h"] == len(h["best"]["stretches"]) > 0
+    assert h["grpo"]["held"] == 0 and h["grpo"]["stretches"] == {}
+
+
 def test_text_and_json(rep, tmp_path, capsys) -> None:
     printed = stage_c.text(rep)
     assert "P1 (llds vs grpo" in printed and "P3 (preset - best" in printed and "Signals over the 10 steps before each death" in printed
     assert "| grpo | 20 | yes | 19 |" in printed and "| 19 (6) |" in printed
+    assert "Post hoc (added after seeds 20-26 were seen; descriptive, not a test)" in printed
     with pytest.raises(SystemExit, match="no Stage C archive yet"):
         stage_c.main(["--lab", str(tmp_path / "nowhere")])
     (tmp_path / stage_c.NAME).mkdir()
