@@ -24,8 +24,8 @@ test on a partial set). Then:
   alarm replayed offline (``replay_alarm``) with the registered short baseline (``ALARM``): its first
   firing and lead, and its firings in runs that held (false alarms);
 - **post hoc** (added after seeds 20-26 were seen; descriptive, never a test: ``at_horizon``): where each
-  run stood when H ended it: the unbroken stretch of steps ending at its last step on which the
-  registered collapse condition held, and its trailing-20 reward's peak. A run that held by the rule
+  run stood when H ended it: the longer unbroken stretch, ending at its last step, on which one of the
+  rule's two conditions held, and its trailing-20 reward's peak. A run that held by the rule
   with a long stretch there was dying, not kept alive, when the horizon stopped it.
 """
 from __future__ import annotations
@@ -123,24 +123,29 @@ def signals(train, outcome: dict) -> dict:
     return out
 
 
-def at_horizon(train) -> dict:
-    """Post hoc, descriptive (added after seeds 20-26, stated beside P1): the collapse rule's own flags
-    (``reward_low`` or ``answered_low`` under ``CollapseCriteria(hold=HOLD)``), read at the horizon.
-    ``flagged_at_h``: how many consecutive steps, ending at the run's last step, were flagged (a run
-    held by the rule has fewer than HOLD; HOLD or more means its stretch reached the hold);
-    ``trailing_peak`` / ``trailing_at_h``: the trailing-20 reward's running peak and its value at the
-    last step (None when never finite)."""
-    crit = C.CollapseCriteria(hold=HOLD)
-    reward = C.column(train, "train/reward") or []
-    answered = C.column(train, "train/answered_rate")
-    flags = C.reward_low(reward, crit)
-    if answered is not None:
-        flags = [r or a for r, a in zip(flags, C.answered_low(answered, crit))]
+def _final_stretch(flags: list[bool]) -> int:
+    """How many consecutive flags, ending at the last one, are True."""
     stretch = 0
     for flagged in reversed(flags):
         if not flagged:
             break
         stretch += 1
+    return stretch
+
+
+def at_horizon(train) -> dict:
+    """Post hoc, descriptive (added after seeds 20-26, stated beside P1): the collapse rule's own flags
+    (``reward_low`` and ``answered_low`` under ``CollapseCriteria(hold=HOLD)``), read at the horizon.
+    ``flagged_at_h``: the longer of the two conditions' unbroken stretches ending at the run's last
+    step; each condition counts on its own, as ``find_collapse`` holds each on its own, so a run held
+    by the rule has fewer than HOLD (a stretch of steps flagged by either condition in turn could be
+    longer without being a collapse); ``trailing_peak`` / ``trailing_at_h``: the trailing-20 reward's
+    running peak and its value at the last step (None when never finite)."""
+    crit = C.CollapseCriteria(hold=HOLD)
+    reward = C.column(train, "train/reward") or []
+    answered = C.column(train, "train/answered_rate")
+    stretch = max(_final_stretch(C.reward_low(reward, crit)),
+                  _final_stretch(C.answered_low(answered, crit)) if answered is not None else 0)
     smooth = C.trailing_mean(reward, crit.smooth)
     peak = C.running_peak(smooth)
     last = lambda values: values[-1] if values and math.isfinite(values[-1]) else None  # noqa: E731

@@ -140,7 +140,7 @@ def test_signals_before_each_death_from_the_raw_csv(rep) -> None:
 
 
 def test_at_horizon_on_hand_worked_runs() -> None:
-    """The post hoc reading at H on two 40-step runs worked by hand (trailing means over 20 steps)."""
+    """The post hoc reading at H on 40-step runs worked by hand (trailing means over 20 steps)."""
     import pandas as pd
 
     steps = range(40)
@@ -155,6 +155,11 @@ def test_at_horizon_on_hand_worked_runs() -> None:
     # the stretch counts back from the last step only: a recovery on the last step ends it
     back = pd.DataFrame({"train/reward": [1.0] * 25 + [0.0] * 14 + [20.0], "train/answered_rate": [1.0] * 40}, index=steps)
     assert stage_c.at_horizon(back)["flagged_at_h"] == 0
+    # the two conditions in turn: answered 0 on steps 0-24 (its trailing mean < 0.5 on steps 19-33, ten 1s
+    # from step 34), reward 1 on steps 0-19 then 0 (trailing <= 0.5 x 1.0 from step 29: ten 1s in 10-29).
+    # Either flag holds on steps 19-39 (21), but the rule holds each alone: reward 29-39 is 11, answered 0.
+    turns = pd.DataFrame({"train/reward": [1.0] * 20 + [0.0] * 20, "train/answered_rate": [0.0] * 25 + [1.0] * 15}, index=steps)
+    assert stage_c.at_horizon(turns) == {"flagged_at_h": 11, "trailing_peak": 1.0, "trailing_at_h": 0.0}
     # no reward ever: no positive peak, nothing flagged by reward, and no finite peak to report
     none = pd.DataFrame({"train/reward": [0.0] * 40}, index=steps)
     assert stage_c.at_horizon(none) == {"flagged_at_h": 0, "trailing_peak": 0.0, "trailing_at_h": 0.0}
@@ -167,18 +172,20 @@ def test_at_horizon_from_the_raw_csv(rep) -> None:
         kept = [s for s in sorted(rows) if s < 80]
         reward = [rows[s]["train/reward"] for s in kept]
         answered = [rows[s].get("train/answered_rate", math.nan) for s in kept]
-        smooth, flags, peak = [], [], -math.inf
+        smooth, low_reward, low_answered, peak = [], [], [], -math.inf
         for i in range(len(kept)):
             if i < 19:
                 smooth.append(math.nan)
-                flags.append(False)
+                low_reward.append(False)
+                low_answered.append(False)
                 continue
             m = statistics.fmean(reward[i - 19:i + 1])
             a = [v for v in answered[i - 19:i + 1] if not math.isnan(v)]
             peak = max(peak, m)
             smooth.append(m)
-            flags.append((peak > 0 and m <= 0.5 * peak) or (bool(a) and statistics.fmean(a) < 0.5))
-        stretch = len(flags) - max((i + 1 for i, f in enumerate(flags) if not f), default=0)
+            low_reward.append(peak > 0 and m <= 0.5 * peak)
+            low_answered.append(bool(a) and statistics.fmean(a) < 0.5)
+        stretch = max(len(f) - max((i + 1 for i, x in enumerate(f) if not x), default=0) for f in (low_reward, low_answered))
         assert r["flagged_at_h"] == stretch, (r["role"], r["seed"])
         assert r["trailing_peak"] == pytest.approx(peak, abs=1e-12) and r["trailing_at_h"] == pytest.approx(smooth[-1], abs=1e-12)
         if not r["collapsed"]:
